@@ -1,0 +1,231 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_STATE_UNSPECIFIED: _ClassVar[ReplicaState]
+    REPLICA_STATE_LOADING: _ClassVar[ReplicaState]
+    REPLICA_STATE_READY: _ClassVar[ReplicaState]
+    REPLICA_STATE_FAILED: _ClassVar[ReplicaState]
+    REPLICA_STATE_STOPPING: _ClassVar[ReplicaState]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+
+class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_CODE_UNSPECIFIED: _ClassVar[ErrorCode]
+    ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: _ClassVar[ErrorCode]
+    ERROR_CODE_REPLICA_NOT_FOUND: _ClassVar[ErrorCode]
+    ERROR_CODE_ENGINE_FAILED: _ClassVar[ErrorCode]
+    ERROR_CODE_BAD_MODEL_FILE: _ClassVar[ErrorCode]
+    ERROR_CODE_OVERLOADED: _ClassVar[ErrorCode]
+REPLICA_STATE_UNSPECIFIED: ReplicaState
+REPLICA_STATE_LOADING: ReplicaState
+REPLICA_STATE_READY: ReplicaState
+REPLICA_STATE_FAILED: ReplicaState
+REPLICA_STATE_STOPPING: ReplicaState
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+ERROR_CODE_UNSPECIFIED: ErrorCode
+ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: ErrorCode
+ERROR_CODE_REPLICA_NOT_FOUND: ErrorCode
+ERROR_CODE_ENGINE_FAILED: ErrorCode
+ERROR_CODE_BAD_MODEL_FILE: ErrorCode
+ERROR_CODE_OVERLOADED: ErrorCode
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("replica_id", "model_name", "sha256", "size_bytes", "download_url", "context_length", "parallel", "threads")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_URL_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    model_name: str
+    sha256: str
+    size_bytes: int
+    download_url: str
+    context_length: int
+    parallel: int
+    threads: int
+    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ...) -> None: ...
+
+class LoadModelResponse(_message.Message):
+    __slots__ = ("state", "error", "memory_bytes", "load_seconds")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    state: ReplicaState
+    error: str
+    memory_bytes: int
+    load_seconds: float
+    def __init__(self, state: _Optional[_Union[ReplicaState, str]] = ..., error: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class FreeMemoryRequest(_message.Message):
+    __slots__ = ("replica_id",)
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+
+class FreeMemoryResponse(_message.Message):
+    __slots__ = ("freed",)
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    freed: bool
+    def __init__(self, freed: _Optional[bool] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "has_seed", "repeat_penalty")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    has_seed: bool
+    repeat_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., repeat_penalty: _Optional[float] = ...) -> None: ...
+
+class InferenceRequest(_message.Message):
+    __slots__ = ("replica_id", "request_id", "messages", "prompt", "max_tokens", "sampling", "stop")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    request_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    prompt: str
+    max_tokens: int
+    sampling: SamplingParams
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("time_to_first_token", "decode_seconds", "queue_seconds")
+    TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    time_to_first_token: float
+    decode_seconds: float
+    queue_seconds: float
+    def __init__(self, time_to_first_token: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+
+class InferenceResponse(_message.Message):
+    __slots__ = ("text", "index", "finish_reason", "usage", "timings")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    index: int
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("replica_id", "messages", "text")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    text: str
+    def __init__(self, replica_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("tokens", "context_length")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    context_length: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("replica_id", "model_name", "state", "error", "memory_bytes", "in_flight", "pid", "context_length", "parallel")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    model_name: str
+    state: ReplicaState
+    error: str
+    memory_bytes: int
+    in_flight: int
+    pid: int
+    context_length: int
+    parallel: int
+    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., error: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., pid: _Optional[int] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ...) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("node_name", "version", "memory_total_bytes", "memory_available_bytes", "cpu_cores", "accelerators", "replicas", "memory_in_use_bytes", "in_flight")
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATORS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    node_name: str
+    version: str
+    memory_total_bytes: int
+    memory_available_bytes: int
+    cpu_cores: int
+    accelerators: _containers.RepeatedScalarFieldContainer[str]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    memory_in_use_bytes: int
+    in_flight: int
+    def __init__(self, node_name: _Optional[str] = ..., version: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., cpu_cores: _Optional[int] = ..., accelerators: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., memory_in_use_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,367 @@
+"""Continuous batching on llama.cpp's batch API.
+
+One llama context holds `parallel` sequences (unified KV cache). Every step builds one
+llama_batch with the next token of each decoding sequence plus a chunk of a waiting
+prompt, decodes it once, and samples each sequence with its own sampler chain. New
+requests join between steps; finished or cancelled ones leave without stalling the rest.
+
+This module runs inside the engine child process only: a crash in llama.cpp must never
+reach the agent.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import llama_cpp as L
+
+from workers.engine.errors import EngineError
+
+#: Same default as llama-cpp-python's Llama(n_batch=512): prompts decode in chunks of this.
+N_BATCH = 512
+#: llama-cpp-python's default window for the repeat penalty.
+PENALTY_LAST_N = 64
+
+
+@dataclass
+class Sampling:
+    """Sampling settings of one request (temperature 0 means greedy)."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    seed: int | None = None
+    repeat_penalty: float = 1.0
+
+
+@dataclass
+class Request:
+    """A generation as the engine receives it."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    max_tokens: int = 0
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: list[str] = field(default_factory=list)
+    received_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Sequence:
+    """A request that holds one of the context's sequence slots."""
+
+    req: Request
+    seq_id: int
+    sampler: ctypes.c_void_p
+    limit: int  # most tokens this sequence may generate
+    prefill_pos: int = 0  # prompt tokens already decoded
+    n_past: int = 0  # tokens in the KV cache for this sequence
+    last_token: int = -1
+    generated: int = 0
+    batch_index: int = -1  # index in the current batch whose logits to sample
+    pending_text: str = ""  # decoded text held back while it may start a stop string
+    emitted: int = 0  # pieces emitted
+    admitted_at: float = 0.0
+    first_token_at: float = 0.0
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
+
+
+class BatchEngine:
+    """A model plus one multi-sequence context, stepped by the engine process loop."""
+
+    def __init__(
+        self,
+        model_path: str,
+        context_length: int,
+        parallel: int,
+        threads: int,
+        max_queue: int = 64,
+    ):
+        L.llama_backend_init()
+        mparams = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(model_path.encode(), mparams)
+        if not self.model:
+            raise EngineError(
+                "BAD_MODEL_FILE", f"llama.cpp could not load {model_path} (corrupt or unsupported)"
+            )
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.context_length = int(context_length)
+        self.parallel = int(parallel)
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = self.context_length * self.parallel
+        cparams.n_batch = N_BATCH
+        cparams.n_ubatch = N_BATCH
+        cparams.n_seq_max = self.parallel
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        # One cache shared by all slots; per-request budgets (below) keep each sequence
+        # within context_length, so the total never overflows.
+        cparams.kv_unified = True
+        self.ctx = L.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            raise EngineError("ENGINE_FAILED", "llama.cpp could not create a context")
+        self.memory = L.llama_get_memory(self.ctx)
+        self.batch = L.llama_batch_init(N_BATCH, 0, 1)
+        self.max_queue = max_queue
+        self.free_seq_ids = deque(range(self.parallel))
+        self.waiting: deque[Request] = deque()
+        self.active: dict[str, _Sequence] = {}
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+
+    # ---- vocabulary -------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_bos: bool, special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (L.llama_token * cap)()
+        n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
+        if n < 0:
+            cap = -n
+            buf = (L.llama_token * cap)()
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self.vocab, token, buf, 64, 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self.vocab, token, buf, -n, 0, False)
+        return buf.raw[:n]
+
+    def token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return L.llama_vocab_get_text(self.vocab, token).decode("utf-8", errors="replace")
+
+    def bos_text(self) -> str:
+        return self.token_text(L.llama_vocab_bos(self.vocab))
+
+    def eos_text(self) -> str:
+        return self.token_text(L.llama_vocab_eos(self.vocab))
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def idle(self) -> bool:
+        return not self.active and not self.waiting
+
+    def in_flight(self) -> int:
+        return len(self.active) + len(self.waiting)
+
+    def submit(self, req: Request) -> None:
+        """Queue a request; raises EngineError when it cannot ever be served."""
+        n_prompt = len(req.prompt_tokens)
+        if n_prompt == 0:
+            raise EngineError("INVALID_ARGUMENT", "the prompt is empty")
+        if n_prompt >= self.context_length:
+            raise EngineError(
+                "CONTEXT_LENGTH_EXCEEDED",
+                f"the prompt has {n_prompt} tokens but the context window is "
+                f"{self.context_length} tokens (at least one must be left to generate)",
+            )
+        if len(self.waiting) >= self.max_queue:
+            raise EngineError("OVERLOADED", f"the queue of this replica is full ({self.max_queue})")
+        self.waiting.append(req)
+
+    def cancel(self, request_id: str) -> list[tuple]:
+        """Drop a request wherever it is; returns the events to send."""
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                return [self._done_event_for_waiting(req, "cancelled")]
+        seq = self.active.get(request_id)
+        if seq is None:
+            return []
+        return [self._finish(seq, "cancelled")]
+
+    def _done_event_for_waiting(self, req: Request, reason: str) -> tuple:
+        now = time.monotonic()
+        return (
+            "done",
+            req.request_id,
+            reason,
+            {"prompt_tokens": len(req.prompt_tokens), "completion_tokens": 0},
+            {"time_to_first_token": 0.0, "decode_seconds": 0.0,
+             "queue_seconds": now - req.received_at},
+        )
+
+    def _new_sampler(self, s: Sampling):
+        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        # Mirrors llama-cpp-python's Llama._init_sampler so that results match it.
+        if s.repeat_penalty and s.repeat_penalty != 1.0:
+            L.llama_sampler_chain_add(
+                chain, L.llama_sampler_init_penalties(PENALTY_LAST_N, s.repeat_penalty, 0.0, 0.0)
+            )
+        if s.temperature <= 0.0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+        else:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(s.top_k or 0))
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_typical(1.0, 1))
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(s.top_p or 1.0, 1))
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(s.min_p, 1))
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(s.temperature))
+            seed = s.seed if s.seed is not None else random.getrandbits(32)
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return chain
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_seq_ids:
+            req = self.waiting.popleft()
+            seq_id = self.free_seq_ids.popleft()
+            room = self.context_length - len(req.prompt_tokens)
+            limit = min(req.max_tokens, room) if req.max_tokens > 0 else room
+            self.active[req.request_id] = _Sequence(
+                req=req,
+                seq_id=seq_id,
+                sampler=self._new_sampler(req.sampling),
+                limit=limit,
+                admitted_at=time.monotonic(),
+            )
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def _add(self, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
+        b = self.batch
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = seq_id
+        b.logits[i] = logits
+
+    def step(self) -> list[tuple]:
+        """Decode one batch; returns events ("token", ...) and ("done", ...)."""
+        self._admit()
+        if not self.active:
+            return []
+        n = 0
+        # Decoding sequences first: one token each, so they never wait behind a prompt.
+        for seq in self.active.values():
+            seq.batch_index = -1
+            if seq.prefill_pos == len(seq.req.prompt_tokens):
+                self._add(n, seq.last_token, seq.n_past, seq.seq_id, True)
+                seq.batch_index = n
+                seq.n_past += 1
+                n += 1
+        # Then prompt chunks, in arrival order, in what is left of the batch.
+        for seq in self.active.values():
+            prompt = seq.req.prompt_tokens
+            while seq.prefill_pos < len(prompt) and n < N_BATCH:
+                last = seq.prefill_pos == len(prompt) - 1
+                self._add(n, prompt[seq.prefill_pos], seq.n_past, seq.seq_id, last)
+                if last:
+                    seq.batch_index = n
+                seq.prefill_pos += 1
+                seq.n_past += 1
+                n += 1
+        self.batch.n_tokens = n
+        rc = L.llama_decode(self.ctx, self.batch)
+        if rc != 0:
+            # Fail what was in this batch rather than the whole engine.
+            return [
+                self._fail(seq, "ENGINE_FAILED", f"llama_decode failed with code {rc}")
+                for seq in list(self.active.values())
+            ]
+        events: list[tuple] = []
+        for seq in list(self.active.values()):
+            if seq.batch_index < 0:
+                continue
+            token = L.llama_sampler_sample(seq.sampler, self.ctx, seq.batch_index)
+            if not seq.first_token_at:
+                seq.first_token_at = time.monotonic()
+            if L.llama_vocab_is_eog(self.vocab, token):  # not counted, as OpenAI does
+                events.extend(self._flush(seq, final=True))
+                events.append(self._finish(seq, "stop"))
+                continue
+            seq.generated += 1
+            seq.last_token = token
+            text = seq.decoder.decode(self.token_bytes(token))
+            stopped = self._push_text(seq, text, events)
+            if stopped:
+                events.append(self._finish(seq, "stop"))
+            elif seq.generated >= seq.limit:
+                events.extend(self._flush(seq, final=True))
+                events.append(self._finish(seq, "length"))
+        return events
+
+    def _push_text(self, seq: _Sequence, text: str, events: list[tuple]) -> bool:
+        """Emit text, holding back what may begin a stop string; True when one matched."""
+        seq.pending_text += text
+        stops = seq.req.stop
+        if stops:
+            hits = [i for i in (seq.pending_text.find(s) for s in stops if s) if i >= 0]
+            if hits:
+                seq.pending_text = seq.pending_text[: min(hits)]
+                events.extend(self._flush(seq, final=True))
+                return True
+            hold = 0
+            for s in stops:
+                for k in range(min(len(s) - 1, len(seq.pending_text)), hold, -1):
+                    if seq.pending_text.endswith(s[:k]):
+                        hold = k
+                        break
+            out = seq.pending_text[: len(seq.pending_text) - hold]
+            seq.pending_text = seq.pending_text[len(out):]
+        else:
+            out, seq.pending_text = seq.pending_text, ""
+        if out:
+            events.append(("token", seq.req.request_id, out, seq.emitted))
+            seq.emitted += 1
+        return False
+
+    def _flush(self, seq: _Sequence, final: bool) -> list[tuple]:
+        text = seq.pending_text + (seq.decoder.decode(b"", final=True) if final else "")
+        seq.pending_text = ""
+        if not text:
+            return []
+        seq.emitted += 1
+        return [("token", seq.req.request_id, text, seq.emitted - 1)]
+
+    def _release(self, seq: _Sequence) -> None:
+        del self.active[seq.req.request_id]
+        L.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
+        L.llama_sampler_free(seq.sampler)
+        self.free_seq_ids.append(seq.seq_id)
+
+    def _finish(self, seq: _Sequence, reason: str) -> tuple:
+        self._release(seq)
+        now = time.monotonic()
+        first = seq.first_token_at or now
+        return (
+            "done",
+            seq.req.request_id,
+            reason,
+            {"prompt_tokens": len(seq.req.prompt_tokens), "completion_tokens": seq.generated},
+            {
+                "time_to_first_token": first - seq.req.received_at,
+                "decode_seconds": now - first,
+                "queue_seconds": seq.admitted_at - seq.req.received_at,
+            },
+        )
+
+    def _fail(self, seq: _Sequence, code: str, message: str) -> tuple:
+        self._release(seq)
+        return ("error", seq.req.request_id, code, message)
+
+    def close(self) -> None:
+        L.llama_batch_free(self.batch)
+        L.llama_free(self.ctx)
+        L.llama_model_free(self.model)

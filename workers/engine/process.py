@@ -1,0 +1,355 @@
+"""The engine child process and the agent-side handle that supervises it.
+
+llama.cpp aborts the whole process on some failures (a dead RPC peer, a bad tensor), with
+no Python exception to catch. So each replica's model lives in its own process; the agent
+talks to it over a pipe and learns of its death from the pipe closing.
+
+Messages are tuples. Agent -> engine: ("generate", id, payload), ("cancel", id),
+("tokenize", id, payload), ("shutdown",). Engine -> agent: ("ready", info),
+("load_error", code, message), ("token", id, text, index), ("done", id, reason, usage,
+timings), ("error", id, code, message), ("tokens", id, tokens, context_length).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from workers.engine.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class EngineConfig:
+    """What an engine process needs to load a model."""
+
+    model_path: str
+    context_length: int
+    parallel: int
+    threads: int
+    max_queue: int = 64
+
+
+# ---- child side ----------------------------------------------------------------------
+
+
+def _quiet_llama_logs() -> None:
+    """Keep llama.cpp's warnings and errors on stderr, drop its chatter."""
+    import llama_cpp as L
+
+    @L.llama_log_callback
+    def _log(level, text, _user_data):
+        if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+            os.write(2, text)
+
+    L.llama_log_set(_log, None)
+    _quiet_llama_logs.callback = _log  # keep a reference for the process's lifetime
+
+
+def _build_prompt(engine, formatter, payload: dict) -> list[int]:
+    """Tokenize a request the way llama-cpp-python's Llama does, so outputs match it."""
+    if payload.get("messages"):
+        if formatter is None:
+            raise EngineError("INVALID_ARGUMENT", "this model has no chat template; send a prompt")
+        try:
+            rendered = formatter(messages=payload["messages"]).prompt
+        except Exception as exc:  # a template may raise_exception() on bad roles
+            raise EngineError("INVALID_ARGUMENT", f"chat template: {exc}") from exc
+        return engine.tokenize(rendered, add_bos=False, special=True)
+    return engine.tokenize(payload.get("prompt", ""), add_bos=True, special=True)
+
+
+def child_main(conn, config: EngineConfig) -> None:
+    """Entry point of the engine process: load, then serve the pipe until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when we stop
+    _quiet_llama_logs()
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from workers.engine.core import BatchEngine, Request, Sampling
+
+    started = time.monotonic()
+    try:
+        engine = BatchEngine(
+            config.model_path, config.context_length, config.parallel, config.threads,
+            config.max_queue,
+        )
+    except EngineError as exc:
+        conn.send(("load_error", exc.code, exc.message))
+        return
+    except Exception as exc:
+        conn.send(("load_error", "ENGINE_FAILED", f"{type(exc).__name__}: {exc}"))
+        return
+    template = engine.meta("tokenizer.chat_template")
+    formatter = None
+    if template:
+        formatter = Jinja2ChatFormatter(
+            template=template, eos_token=engine.eos_text(), bos_token=engine.bos_text()
+        )
+    conn.send(("ready", {
+        "context_length": engine.context_length,
+        "parallel": engine.parallel,
+        "load_seconds": time.monotonic() - started,
+        "chat_template": bool(template),
+    }))
+
+    running = True
+    while running:
+        # Block while idle; between decode steps only look at what is already there.
+        timeout = None if engine.idle() else 0
+        while conn.poll(timeout):
+            msg = conn.recv()
+            kind = msg[0]
+            if kind == "generate":
+                _, rid, payload = msg
+                try:
+                    tokens = _build_prompt(engine, formatter, payload)
+                    s = payload.get("sampling") or {}
+                    engine.submit(Request(
+                        request_id=rid,
+                        prompt_tokens=tokens,
+                        max_tokens=int(payload.get("max_tokens") or 0),
+                        sampling=Sampling(**s),
+                        stop=list(payload.get("stop") or []),
+                    ))
+                except EngineError as exc:
+                    conn.send(("error", rid, exc.code, exc.message))
+            elif kind == "cancel":
+                for event in engine.cancel(msg[1]):
+                    conn.send(event)
+            elif kind == "tokenize":
+                _, cid, payload = msg
+                try:
+                    if payload.get("messages"):
+                        tokens = _build_prompt(engine, formatter, payload)
+                    else:
+                        tokens = engine.tokenize(payload.get("text", ""), True, True)
+                    conn.send(("tokens", cid, tokens, engine.context_length))
+                except EngineError as exc:
+                    conn.send(("error", cid, exc.code, exc.message))
+            elif kind == "shutdown":
+                running = False
+                break
+            timeout = 0
+        if running and not engine.idle():
+            for event in engine.step():
+                conn.send(event)
+    engine.close()
+
+
+# ---- agent side ----------------------------------------------------------------------
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """Say in words how a process ended."""
+    if exitcode is None:
+        return "the engine process stopped answering"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = " (llama.cpp aborted)" if -exitcode == signal.SIGABRT else ""
+        return f"the engine process was killed by {name}{hint}"
+    return f"the engine process exited with code {exitcode}"
+
+
+class EngineProcess:
+    """Agent-side handle of one engine process: start, stream, cancel, notice death."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_state_change: Callable[[EngineProcess], None] | None = None,
+    ):
+        self.config = config
+        self.state = "loading"
+        self.error = ""
+        self.info: dict = {}
+        self._on_state_change = on_state_change
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._ready: asyncio.Future | None = None
+        self._proc = None
+        self._conn = None
+        self._send_lock = threading.Lock()
+        self._stopping = False
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid if self._proc is not None and self._proc.is_alive() else 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    def memory_bytes(self) -> int:
+        """Resident memory of the engine process (0 when it is not running)."""
+        pid = self.pid
+        if not pid:
+            return 0
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    async def start(self, timeout: float = 300.0) -> dict:
+        """Spawn the process and wait until the model is loaded; raises EngineError."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._ready = loop.create_future()
+        # spawn, not fork: the agent runs gRPC threads that must not be forked.
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._conn = parent
+        self._proc = ctx.Process(
+            target=child_main, args=(child, self.config), name="llamafleet-engine", daemon=True
+        )
+        self._proc.start()
+        child.close()
+        threading.Thread(target=self._read_loop, name="engine-reader", daemon=True).start()
+        try:
+            self.info = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+        except TimeoutError:
+            self._kill()
+            self._set_failed(f"the model did not load within {timeout:.0f} s")
+            raise EngineError("ENGINE_FAILED", self.error) from None
+        self.state = "ready"
+        self._notify()
+        return self.info
+
+    def _read_loop(self) -> None:
+        conn = self._conn
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            self._loop.call_soon_threadsafe(self._dispatch, msg)
+        self._proc.join(5)
+        exitcode = self._proc.exitcode
+        self._loop.call_soon_threadsafe(self._on_gone, exitcode)
+
+    def _dispatch(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            if not self._ready.done():
+                self._ready.set_result(msg[1])
+        elif kind == "load_error":
+            self._set_failed(msg[2])
+            if not self._ready.done():
+                self._ready.set_exception(EngineError(msg[1], msg[2]))
+        else:
+            queue = self._streams.get(msg[1])
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    def _on_gone(self, exitcode: int | None) -> None:
+        if self._stopping:
+            self.state = "stopped"
+            message = "the replica was freed"
+        else:
+            if self.state != "failed":
+                self._set_failed(describe_exit(exitcode))
+            message = self.error
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(EngineError("ENGINE_FAILED", message))
+        for rid, queue in list(self._streams.items()):
+            queue.put_nowait(("error", rid, "ENGINE_FAILED", message))
+
+    def _set_failed(self, error: str) -> None:
+        self.state = "failed"
+        self.error = error
+        log.warning("engine for %s failed: %s", self.config.model_path, error)
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._on_state_change is not None:
+            self._on_state_change(self)
+
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    def _require_ready(self) -> None:
+        if self.state != "ready":
+            raise EngineError(
+                "ENGINE_FAILED", self.error or f"the replica is {self.state}, not ready"
+            )
+
+    async def generate(self, payload: dict) -> AsyncIterator[tuple]:
+        """Yield ("token", id, text, index) then one ("done", id, reason, usage, timings)."""
+        self._require_ready()
+        rid = f"g{next(_ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = queue
+        finished = False
+        try:
+            self._send(("generate", rid, payload))
+            while True:
+                msg = await queue.get()
+                if msg[0] == "error":
+                    finished = True
+                    raise EngineError(msg[2], msg[3])
+                if msg[0] == "done":
+                    finished = True
+                    yield msg
+                    return
+                yield msg
+        finally:
+            del self._streams[rid]
+            if not finished and self.state == "ready":
+                # The caller went away: free the slot now, not at the end of the text.
+                try:
+                    self._send(("cancel", rid))
+                except OSError:
+                    pass
+
+    async def tokenize(self, payload: dict) -> tuple[list[int], int]:
+        self._require_ready()
+        rid = f"t{next(_ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = queue
+        try:
+            self._send(("tokenize", rid, payload))
+            msg = await queue.get()
+        finally:
+            del self._streams[rid]
+        if msg[0] == "error":
+            raise EngineError(msg[2], msg[3])
+        return msg[2], msg[3]
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Ask the process to exit, then kill it if it does not."""
+        self._stopping = True
+        self.state = "stopping"
+        if self._proc is None:
+            return
+        if self._proc.is_alive():
+            try:
+                self._send(("shutdown",))
+            except OSError:
+                pass
+            deadline = time.monotonic() + timeout
+            while self._proc.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            self._kill()
+        self.state = "stopped"
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
