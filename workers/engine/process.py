@@ -195,7 +195,7 @@ class EngineProcess:
     def memory_bytes(self) -> int:
         """Resident memory of the engine process (0 when it is not running)."""
         pid = self.pid
-        if not pid:
+        if not pid or self.state not in ("loading", "ready"):
             return 0
         try:
             with open(f"/proc/{pid}/status") as f:

@@ -30,6 +30,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_ENGINE_FAILED: _ClassVar[ErrorCode]
     ERROR_CODE_BAD_MODEL_FILE: _ClassVar[ErrorCode]
     ERROR_CODE_OVERLOADED: _ClassVar[ErrorCode]
+    ERROR_CODE_INVALID_ARGUMENT: _ClassVar[ErrorCode]
 REPLICA_STATE_UNSPECIFIED: ReplicaState
 REPLICA_STATE_LOADING: ReplicaState
 REPLICA_STATE_READY: ReplicaState
@@ -45,6 +46,7 @@ ERROR_CODE_REPLICA_NOT_FOUND: ErrorCode
 ERROR_CODE_ENGINE_FAILED: ErrorCode
 ERROR_CODE_BAD_MODEL_FILE: ErrorCode
 ERROR_CODE_OVERLOADED: ErrorCode
+ERROR_CODE_INVALID_ARGUMENT: ErrorCode
 
 class LoadModelRequest(_message.Message):
     __slots__ = ("replica_id", "model_name", "sha256", "size_bytes", "download_url", "context_length", "parallel", "threads")

@@ -1,0 +1,217 @@
+"""The NodeAgent gRPC servicer: converts messages at the edge, the engines do the work."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from llamafleet.agent.v1 import agent_pb2 as pb
+from llamafleet.agent.v1 import agent_pb2_grpc
+
+import workers
+from workers.agent import system
+from workers.agent.store import ModelStore
+from workers.engine.errors import EngineError
+from workers.engine.process import EngineConfig, EngineProcess
+
+log = logging.getLogger(__name__)
+
+ERROR_METADATA_KEY = "llamafleet-error-code"
+
+_STATES = {
+    "loading": pb.REPLICA_STATE_LOADING,
+    "ready": pb.REPLICA_STATE_READY,
+    "failed": pb.REPLICA_STATE_FAILED,
+    "stopping": pb.REPLICA_STATE_STOPPING,
+    "stopped": pb.REPLICA_STATE_STOPPING,
+}
+_FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "cancelled": pb.FINISH_REASON_CANCELLED,
+}
+_STATUS = {
+    "CONTEXT_LENGTH_EXCEEDED": grpc.StatusCode.INVALID_ARGUMENT,
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "REPLICA_NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "ENGINE_FAILED": grpc.StatusCode.UNAVAILABLE,
+    "BAD_MODEL_FILE": grpc.StatusCode.FAILED_PRECONDITION,
+    "OVERLOADED": grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: EngineError):
+    """Translate a domain error to a gRPC status with its machine-readable code."""
+    await context.abort(
+        _STATUS.get(exc.code, grpc.StatusCode.INTERNAL),
+        exc.message,
+        trailing_metadata=((ERROR_METADATA_KEY, exc.code),),
+    )
+
+
+class Replica:
+    """One loaded model on this agent: its engine process and its identity."""
+
+    def __init__(self, request: pb.LoadModelRequest, engine: EngineProcess):
+        self.replica_id = request.replica_id
+        self.model_name = request.model_name
+        self.engine = engine
+        self.loaded = asyncio.Event()
+        self.load_seconds = 0.0
+
+    def status(self) -> pb.ReplicaStatus:
+        e = self.engine
+        return pb.ReplicaStatus(
+            replica_id=self.replica_id,
+            model_name=self.model_name,
+            state=_STATES[e.state],
+            error=e.error,
+            memory_bytes=e.memory_bytes(),
+            in_flight=e.in_flight,
+            pid=e.pid,
+            context_length=e.config.context_length,
+            parallel=e.config.parallel,
+        )
+
+
+class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
+    """Holds the replicas of this node and serves the NodeAgent contract."""
+
+    def __init__(
+        self,
+        node_name: str,
+        store: ModelStore,
+        threads: int = 0,
+        on_change: Callable[[], None] | None = None,
+    ):
+        self.node_name = node_name
+        self.store = store
+        self.threads = threads or system.cpu_cores()
+        self.replicas: dict[str, Replica] = {}
+        self._on_change = on_change or (lambda: None)
+
+    def _replica(self, replica_id: str) -> Replica:
+        replica = self.replicas.get(replica_id)
+        if replica is None:
+            raise EngineError("REPLICA_NOT_FOUND", f"replica {replica_id} is not loaded on {self.node_name}")
+        return replica
+
+    def _load_response(self, replica: Replica) -> pb.LoadModelResponse:
+        e = replica.engine
+        return pb.LoadModelResponse(
+            state=_STATES[e.state], error=e.error, memory_bytes=e.memory_bytes(),
+            load_seconds=replica.load_seconds,
+        )
+
+    async def LoadModel(self, request, context):
+        if not request.replica_id:
+            await abort(context, EngineError("INVALID_ARGUMENT", "replica_id is required"))
+        existing = self.replicas.get(request.replica_id)
+        if existing is not None and existing.engine.state in ("loading", "ready"):
+            await existing.loaded.wait()  # another call is loading it: answer with its outcome
+            return self._load_response(existing)
+        if existing is not None:
+            await existing.engine.stop()
+        started = time.monotonic()
+        config = EngineConfig(
+            model_path="",
+            context_length=request.context_length or 2048,
+            parallel=request.parallel or 1,
+            threads=request.threads or self.threads,
+        )
+        engine = EngineProcess(config, on_state_change=lambda _e: self._on_change())
+        replica = Replica(request, engine)
+        self.replicas[request.replica_id] = replica
+        try:
+            path = await self.store.ensure(request.sha256, request.size_bytes, request.download_url)
+            config.model_path = str(path)
+            await engine.start()
+        except EngineError as exc:
+            engine.state, engine.error = "failed", exc.message
+            self._on_change()
+        finally:
+            replica.load_seconds = time.monotonic() - started
+            replica.loaded.set()
+        return self._load_response(replica)
+
+    async def FreeMemory(self, request, context):
+        replica = self.replicas.pop(request.replica_id, None)
+        if replica is None:
+            return pb.FreeMemoryResponse(freed=False)
+        await replica.engine.stop()
+        self._on_change()
+        return pb.FreeMemoryResponse(freed=True)
+
+    async def RunInference(self, request, context):
+        try:
+            replica = self._replica(request.replica_id)
+            payload = inference_payload(request)
+            async for event in replica.engine.generate(payload):
+                if event[0] == "token":
+                    yield pb.InferenceResponse(text=event[2], index=event[3])
+                else:
+                    _, _, reason, usage, timings = event
+                    yield pb.InferenceResponse(
+                        finish_reason=_FINISH[reason],
+                        usage=pb.Usage(**usage),
+                        timings=pb.Timings(**timings),
+                    )
+        except EngineError as exc:
+            await abort(context, exc)
+
+    async def Tokenize(self, request, context):
+        try:
+            replica = self._replica(request.replica_id)
+            payload = {
+                "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+                "text": request.text,
+            }
+            tokens, n_ctx = await replica.engine.tokenize(payload)
+        except EngineError as exc:
+            await abort(context, exc)
+        return pb.TokenizeResponse(tokens=tokens, context_length=n_ctx)
+
+    async def GetStatus(self, request, context):
+        return self.status()
+
+    def status(self) -> pb.NodeStatus:
+        total, available = system.meminfo()
+        replicas = [r.status() for r in self.replicas.values()]
+        return pb.NodeStatus(
+            node_name=self.node_name,
+            version=workers.__version__,
+            memory_total_bytes=total,
+            memory_available_bytes=available,
+            cpu_cores=system.cpu_cores(),
+            accelerators=system.accelerators(),
+            replicas=replicas,
+            memory_in_use_bytes=sum(r.memory_bytes for r in replicas),
+            in_flight=sum(r.in_flight for r in replicas),
+        )
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(r.engine.stop() for r in self.replicas.values()))
+
+
+def inference_payload(request: pb.InferenceRequest) -> dict:
+    """The engine's view of an InferenceRequest."""
+    if request.messages and request.prompt:
+        raise EngineError("INVALID_ARGUMENT", "give either messages or prompt, not both")
+    s = request.sampling
+    sampling = {
+        "temperature": s.temperature,
+        "top_p": s.top_p if 0 < s.top_p < 1 else 1.0,
+        "top_k": s.top_k,
+        "repeat_penalty": s.repeat_penalty or 1.0,
+        "seed": s.seed if s.has_seed else None,
+    }
+    return {
+        "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "sampling": sampling,
+        "stop": list(request.stop),
+    }
