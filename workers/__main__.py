@@ -22,20 +22,43 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     a = sub.add_parser("agent", help="run the node agent")
-    a.add_argument("--name", default=_env("LLAMAFLEET_NODE_NAME", socket.gethostname()),
-                   help="node name (LLAMAFLEET_NODE_NAME; default: the host name)")
-    a.add_argument("--listen", default=_env("LLAMAFLEET_AGENT_LISTEN", "127.0.0.1:50051"),
-                   help="gRPC bind address (LLAMAFLEET_AGENT_LISTEN; default 127.0.0.1:50051)")
-    a.add_argument("--advertise", default=_env("LLAMAFLEET_AGENT_ADVERTISE"),
-                   help="address the control plane dials (LLAMAFLEET_AGENT_ADVERTISE; default: --listen)")
-    a.add_argument("--control-plane", default=_env("LLAMAFLEET_CONTROL_PLANE", "http://127.0.0.1:8000"),
-                   help="control plane URL (LLAMAFLEET_CONTROL_PLANE)")
-    a.add_argument("--models-dir", default=_env("LLAMAFLEET_AGENT_MODELS_DIR", "var/models"),
-                   help="where model files are kept (LLAMAFLEET_AGENT_MODELS_DIR)")
-    a.add_argument("--threads", type=int, default=int(_env("LLAMAFLEET_AGENT_THREADS", "0")),
-                   help="decode threads per engine, 0 for all cores (LLAMAFLEET_AGENT_THREADS)")
-    a.add_argument("--heartbeat", type=float, default=float(_env("LLAMAFLEET_HEARTBEAT_SECONDS", "5")),
-                   help="seconds between heartbeats (LLAMAFLEET_HEARTBEAT_SECONDS)")
+    a.add_argument(
+        "--name",
+        default=_env("LLAMAFLEET_NODE_NAME", socket.gethostname()),
+        help="node name (LLAMAFLEET_NODE_NAME; default: the host name)",
+    )
+    a.add_argument(
+        "--listen",
+        default=_env("LLAMAFLEET_AGENT_LISTEN", "127.0.0.1:50051"),
+        help="gRPC bind address (LLAMAFLEET_AGENT_LISTEN; default 127.0.0.1:50051)",
+    )
+    a.add_argument(
+        "--advertise",
+        default=_env("LLAMAFLEET_AGENT_ADVERTISE"),
+        help="address the control plane dials (LLAMAFLEET_AGENT_ADVERTISE; default: --listen)",
+    )
+    a.add_argument(
+        "--control-plane",
+        default=_env("LLAMAFLEET_CONTROL_PLANE", "http://127.0.0.1:8000"),
+        help="control plane URL (LLAMAFLEET_CONTROL_PLANE)",
+    )
+    a.add_argument(
+        "--models-dir",
+        default=_env("LLAMAFLEET_AGENT_MODELS_DIR", "var/models"),
+        help="where model files are kept (LLAMAFLEET_AGENT_MODELS_DIR)",
+    )
+    a.add_argument(
+        "--threads",
+        type=int,
+        default=int(_env("LLAMAFLEET_AGENT_THREADS", "0")),
+        help="decode threads per engine, 0 for all cores (LLAMAFLEET_AGENT_THREADS)",
+    )
+    a.add_argument(
+        "--heartbeat",
+        type=float,
+        default=float(_env("LLAMAFLEET_HEARTBEAT_SECONDS", "5")),
+        help="seconds between heartbeats (LLAMAFLEET_HEARTBEAT_SECONDS)",
+    )
     args = parser.parse_args(argv)
 
     token = _env("LLAMAFLEET_NODE_TOKEN")

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import grpc
 import httpx
+from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from llamafleet.agent.v1 import agent_pb2_grpc
-from google.protobuf.json_format import MessageToDict
 
 from workers.agent.service import NodeAgentService
 from workers.agent.store import ModelStore
@@ -73,7 +73,8 @@ class Heartbeats:
 
     def payload(self) -> dict:
         status = MessageToDict(
-            self.service.status(), preserving_proto_field_name=True,
+            self.service.status(),
+            preserving_proto_field_name=True,
             always_print_fields_with_no_presence=True,
         )
         status["address"] = self.settings.advertise
@@ -87,7 +88,9 @@ class Heartbeats:
                 try:
                     resp = await client.post(url, json=self.payload(), headers=headers)
                     if resp.status_code != 200:
-                        self._report(f"heartbeat rejected: HTTP {resp.status_code} {resp.text[:200]}")
+                        self._report(
+                            f"heartbeat rejected: HTTP {resp.status_code} {resp.text[:200]}"
+                        )
                     else:
                         self._report("")
                 except httpx.HTTPError as exc:
@@ -118,7 +121,9 @@ class Agent:
         )
         self.server = grpc.aio.server(interceptors=[TokenInterceptor(settings.node_token)])
         agent_pb2_grpc.add_NodeAgentServicer_to_server(self.service, self.server)
-        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.health = (
+            health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
         self._tasks: list[asyncio.Task] = []

@@ -96,13 +96,17 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
     def _replica(self, replica_id: str) -> Replica:
         replica = self.replicas.get(replica_id)
         if replica is None:
-            raise EngineError("REPLICA_NOT_FOUND", f"replica {replica_id} is not loaded on {self.node_name}")
+            raise EngineError(
+                "REPLICA_NOT_FOUND", f"replica {replica_id} is not loaded on {self.node_name}"
+            )
         return replica
 
     def _load_response(self, replica: Replica) -> pb.LoadModelResponse:
         e = replica.engine
         return pb.LoadModelResponse(
-            state=_STATES[e.state], error=e.error, memory_bytes=e.memory_bytes(),
+            state=_STATES[e.state],
+            error=e.error,
+            memory_bytes=e.memory_bytes(),
             load_seconds=replica.load_seconds,
         )
 

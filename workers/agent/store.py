@@ -31,7 +31,8 @@ class ModelStore:
             return path
         if not url:
             raise EngineError(
-                "BAD_MODEL_FILE", f"model {sha256[:12]} is not in {self.root} and has no download URL"
+                "BAD_MODEL_FILE",
+                f"model {sha256[:12]} is not in {self.root} and has no download URL",
             )
         tmp = path.with_suffix(f".part{os.getpid()}")
         digest = hashlib.sha256()
@@ -53,7 +54,8 @@ class ModelStore:
         if digest.hexdigest() != sha256:
             tmp.unlink(missing_ok=True)
             raise EngineError(
-                "BAD_MODEL_FILE", f"downloaded file has sha256 {digest.hexdigest()}, expected {sha256}"
+                "BAD_MODEL_FILE",
+                f"downloaded file has sha256 {digest.hexdigest()}, expected {sha256}",
             )
         tmp.rename(path)
         return path

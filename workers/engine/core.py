@@ -200,8 +200,11 @@ class BatchEngine:
             req.request_id,
             reason,
             {"prompt_tokens": len(req.prompt_tokens), "completion_tokens": 0},
-            {"time_to_first_token": 0.0, "decode_seconds": 0.0,
-             "queue_seconds": now - req.received_at},
+            {
+                "time_to_first_token": 0.0,
+                "decode_seconds": 0.0,
+                "queue_seconds": now - req.received_at,
+            },
         )
 
     def _new_sampler(self, s: Sampling):
@@ -319,7 +322,7 @@ class BatchEngine:
                         hold = k
                         break
             out = seq.pending_text[: len(seq.pending_text) - hold]
-            seq.pending_text = seq.pending_text[len(out):]
+            seq.pending_text = seq.pending_text[len(out) :]
         else:
             out, seq.pending_text = seq.pending_text, ""
         if out:

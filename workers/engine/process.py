@@ -81,7 +81,10 @@ def child_main(conn, config: EngineConfig) -> None:
     started = time.monotonic()
     try:
         engine = BatchEngine(
-            config.model_path, config.context_length, config.parallel, config.threads,
+            config.model_path,
+            config.context_length,
+            config.parallel,
+            config.threads,
             config.max_queue,
         )
     except EngineError as exc:
@@ -96,12 +99,17 @@ def child_main(conn, config: EngineConfig) -> None:
         formatter = Jinja2ChatFormatter(
             template=template, eos_token=engine.eos_text(), bos_token=engine.bos_text()
         )
-    conn.send(("ready", {
-        "context_length": engine.context_length,
-        "parallel": engine.parallel,
-        "load_seconds": time.monotonic() - started,
-        "chat_template": bool(template),
-    }))
+    conn.send(
+        (
+            "ready",
+            {
+                "context_length": engine.context_length,
+                "parallel": engine.parallel,
+                "load_seconds": time.monotonic() - started,
+                "chat_template": bool(template),
+            },
+        )
+    )
 
     running = True
     while running:
@@ -115,13 +123,15 @@ def child_main(conn, config: EngineConfig) -> None:
                 try:
                     tokens = _build_prompt(engine, formatter, payload)
                     s = payload.get("sampling") or {}
-                    engine.submit(Request(
-                        request_id=rid,
-                        prompt_tokens=tokens,
-                        max_tokens=int(payload.get("max_tokens") or 0),
-                        sampling=Sampling(**s),
-                        stop=list(payload.get("stop") or []),
-                    ))
+                    engine.submit(
+                        Request(
+                            request_id=rid,
+                            prompt_tokens=tokens,
+                            max_tokens=int(payload.get("max_tokens") or 0),
+                            sampling=Sampling(**s),
+                            stop=list(payload.get("stop") or []),
+                        )
+                    )
                 except EngineError as exc:
                     conn.send(("error", rid, exc.code, exc.message))
             elif kind == "cancel":
@@ -343,9 +353,8 @@ class EngineProcess:
                 self._send(("shutdown",))
             except OSError:
                 pass
-            deadline = time.monotonic() + timeout
-            while self._proc.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            # join() blocks: wait in a thread so the agent keeps serving other replicas.
+            await asyncio.to_thread(self._proc.join, timeout)
             self._kill()
         self.state = "stopped"
 

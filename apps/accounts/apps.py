@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class AccountsConfig(AppConfig):
+    """API keys and the people and apps that hold them."""
+
+    name = "apps.accounts"

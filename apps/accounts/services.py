@@ -1,0 +1,54 @@
+"""Authenticating and managing API keys."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+
+from apps.accounts.models import ApiKey, hash_key
+
+#: last_used_at is a hint for people, not an audit log: write it at most this often.
+_TOUCH_EVERY = timedelta(minutes=1)
+
+
+def authenticate_key(raw: str) -> ApiKey | None:
+    """The active key matching a raw bearer value, or None."""
+    if not raw:
+        return None
+    key = ApiKey.objects.active().select_related("owner").filter(key_hash=hash_key(raw)).first()
+    if key is None or not key.owner.is_active:
+        return None
+    now = timezone.now()
+    if key.last_used_at is None or now - key.last_used_at > _TOUCH_EVERY:
+        ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
+    return key
+
+
+def bearer_from_header(value: str) -> str:
+    """The token of an `Authorization: Bearer <token>` header, or ""."""
+    scheme, _, token = (value or "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def create_key(name: str, owner=None, raw: str | None = None) -> tuple[ApiKey, str]:
+    """Create a key for owner (by default the first superuser, created if needed)."""
+    if owner is None:
+        owner = ensure_admin_user()
+    return ApiKey.generate(name, owner, raw)
+
+
+def ensure_admin_user(username: str = "admin"):
+    """The operator account that owns keys made from the command line."""
+    User = get_user_model()
+    user = User.objects.filter(is_superuser=True).order_by("pk").first()
+    if user is None:
+        user = User.objects.create_superuser(username=username, email="", password=None)
+    return user
+
+
+def revoke_key(key: ApiKey) -> None:
+    if key.revoked_at is None:
+        key.revoked_at = timezone.now()
+        key.save(update_fields=["revoked_at"])

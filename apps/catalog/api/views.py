@@ -1,0 +1,53 @@
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from apps.catalog import services, sources
+from apps.catalog.api.serializers import (
+    CatalogModelSerializer,
+    PullJobSerializer,
+    PullRequestSerializer,
+)
+from apps.catalog.models import CatalogModel, PullJob
+
+
+class CatalogModelViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.DestroyModelMixin,
+    viewsets.GenericViewSet,
+):
+    """Models in the catalog with their GGUF facts; pull new ones with POST /models/pull."""
+
+    queryset = CatalogModel.objects.prefetch_related("pulls")
+    serializer_class = CatalogModelSerializer
+    lookup_field = "name"
+
+    @extend_schema(request=PullRequestSerializer, responses={202: PullJobSerializer})
+    @action(detail=False, methods=["post"])
+    def pull(self, request):
+        data = PullRequestSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        job = services.start_pull(data.validated_data["name"], data.validated_data["local_path"])
+        return Response(PullJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
+
+    @action(detail=False, methods=["get"])
+    def known(self, request):
+        """Models that can be pulled by name."""
+        return Response(
+            [
+                {"name": name, "description": s.description, "source": s.label, "sha256": s.sha256}
+                for name, s in sorted(sources.KNOWN_MODELS.items())
+            ]
+        )
+
+    def perform_destroy(self, instance):
+        services.delete_model(instance)
+
+
+class PullJobViewSet(viewsets.ReadOnlyModelViewSet):
+    """Pull jobs and their progress."""
+
+    queryset = PullJob.objects.select_related("model")
+    serializer_class = PullJobSerializer

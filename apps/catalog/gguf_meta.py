@@ -1,0 +1,74 @@
+"""Facts about a GGUF file, read with the `gguf` package (no llama.cpp needed)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+
+
+class BadGGUF(ValueError):
+    """The file is not a complete, readable GGUF model."""
+
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def _field(reader: gguf.GGUFReader, key: str):
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    try:
+        return field.contents()
+    except Exception:
+        return None
+
+
+def read_metadata(path: str | Path) -> dict:
+    """Architecture, shape and per-layer byte counts of a GGUF file; raises BadGGUF."""
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises a variety of errors on bad input
+        raise BadGGUF(f"not a readable GGUF file: {exc}") from exc
+    arch = _field(reader, "general.architecture")
+    if not arch:
+        raise BadGGUF("general.architecture is missing")
+    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise BadGGUF(f"truncated: tensors need {end} bytes, the file has {size}")
+    n_layers = int(_field(reader, f"{arch}.block_count") or 0)
+    per_layer = [0] * n_layers
+    other = 0
+    for t in reader.tensors:
+        m = _BLOCK.match(t.name)
+        if m and int(m.group(1)) < n_layers:
+            per_layer[int(m.group(1))] += int(t.n_bytes)
+        else:
+            other += int(t.n_bytes)
+    file_type = _field(reader, "general.file_type")
+    try:
+        quantization = gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
+    except (TypeError, ValueError):
+        quantization = str(file_type or "unknown")
+    n_heads = int(_field(reader, f"{arch}.attention.head_count") or 0)
+    n_embd = int(_field(reader, f"{arch}.embedding_length") or 0)
+    return {
+        "architecture": str(arch),
+        "display_name": str(_field(reader, "general.name") or ""),
+        "parameters": int(sum(int(t.n_elements) for t in reader.tensors)),
+        "quantization": quantization,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": int(_field(reader, f"{arch}.attention.head_count_kv") or n_heads),
+        "n_embd": n_embd,
+        "head_dim": int(
+            _field(reader, f"{arch}.attention.key_length") or (n_embd // n_heads if n_heads else 0)
+        ),
+        "context_length": int(_field(reader, f"{arch}.context_length") or 0),
+        "bytes_per_layer": per_layer,
+        "bytes_outside_layers": other,
+        "has_chat_template": _field(reader, "tokenizer.chat_template") is not None,
+    }

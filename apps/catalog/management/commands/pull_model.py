@@ -1,0 +1,47 @@
+"""`manage.py pull_model NAME [--path FILE]`: pull a known model or import a local GGUF."""
+
+from django.core.management.base import BaseCommand, CommandError
+
+from apps.accounts.errors import DomainError
+from apps.catalog import services, sources
+from apps.catalog.models import CatalogModel, PullJob
+
+
+class Command(BaseCommand):
+    help = (
+        f"Pull a model into the store (known: {', '.join(sorted(sources.KNOWN_MODELS))}), "
+        "or import a local GGUF file with --path."
+    )def add_arguments(self, parser):
+        parser.add_argument("name")
+        parser.add_argument("--path", default="", help="import this local GGUF file under NAME")
+        parser.add_argument("--if-missing", action="store_true", help="do nothing if NAME is ready")
+
+    def handle(self, name, path, if_missing, **options):
+        if if_missing and CatalogModel.objects.filter(name=name, state="ready").exists():
+            model = CatalogModel.objects.get(name=name)
+            if model.path.exists():
+                self.stdout.write(f"{name} is ready ({model.sha256[:12]})")
+                return
+        try:
+            job = services.create_pull(name, path)
+        except DomainError as exc:
+            raise CommandError(exc.message) from exc
+        # Run in this process, printing the job's progress as it moves.
+        shown = set()
+
+        def report(phase, done, total):
+            step = (phase, done * 10 // total if total else 0)
+            if step not in shown:
+                shown.add(step)
+                self.stderr.write(f"  {phase} {done * 100 // total}%" if total else f"  {phase}")
+
+        job = services.run_pull(job.pk, on_progress=report)
+        if job.state != PullJob.State.DONE:
+            raise CommandError(f"pull of {name} failed: {job.error}")
+        model = job.model
+        model.refresh_from_db()
+        self.stdout.write(
+            f"{name} is ready: {model.architecture}, {model.parameters / 1e6:.0f}M parameters, "
+            f"{model.quantization}, {model.n_layers} layers, {model.size_bytes / 1e6:.0f} MB, "
+            f"sha256 {model.sha256[:12]}"
+        )

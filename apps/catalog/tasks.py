@@ -1,0 +1,11 @@
+"""Model pulls run on the `jobs` queue: they are long and must not delay control work."""
+
+from celery import shared_task
+
+from apps.catalog import services
+
+
+@shared_task(time_limit=3600, soft_time_limit=3500)
+def run_pull(job_id: int) -> str:
+    """Run one pull job by id; its row records progress and outcome."""
+    return services.run_pull(job_id).state

@@ -1,0 +1,69 @@
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from apps.deployments import services
+from apps.deployments.api.serializers import (
+    CreateDeploymentSerializer,
+    DeploymentSerializer,
+    EventSerializer,
+    ScaleSerializer,
+)
+from apps.deployments.models import Deployment
+
+
+class DeploymentViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.DestroyModelMixin,
+    viewsets.GenericViewSet,
+):
+    """Deployments (desired state) with their replicas (actual state) and recent events."""
+
+    queryset = Deployment.objects.select_related("model").prefetch_related("replica_set__node")
+    serializer_class = DeploymentSerializer
+    lookup_field = "name"
+
+    @extend_schema(request=CreateDeploymentSerializer, responses={202: DeploymentSerializer})
+    def create(self, request):
+        data = CreateDeploymentSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        d = services.do_create(
+            v.get("name") or v["model"],
+            v["model"],
+            v["replicas"],
+            v.get("context_length"),
+            v.get("parallel"),
+        )
+        return Response(DeploymentSerializer(d).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=ScaleSerializer, responses={202: DeploymentSerializer})
+    @action(detail=True, methods=["post"])
+    def scale(self, request, name=None):
+        data = ScaleSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        d = services.do_scale(self.get_object(), data.validated_data["replicas"])
+        return Response(DeploymentSerializer(d).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=None, responses={202: DeploymentSerializer})
+    @action(detail=True, methods=["post"])
+    def undeploy(self, request, name=None):
+        d = services.do_undeploy(self.get_object())
+        return Response(DeploymentSerializer(d).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=None, responses={202: DeploymentSerializer})
+    @action(detail=True, methods=["post"])
+    def redeploy(self, request, name=None):
+        d = services.do_redeploy(self.get_object())
+        return Response(DeploymentSerializer(d).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(responses=EventSerializer(many=True))
+    @action(detail=True, methods=["get"])
+    def events(self, request, name=None):
+        page = self.paginate_queryset(self.get_object().events.all())
+        return self.get_paginated_response(EventSerializer(page, many=True).data)
+
+    def perform_destroy(self, instance):
+        services.do_delete(instance)

@@ -1,0 +1,88 @@
+import uuid
+
+from django.db import models
+
+from apps.catalog.models import CatalogModel
+from apps.nodes.models import Node
+
+
+class Deployment(models.Model):
+    """What should run: a model as N replicas with a context window and batching slots."""
+
+    class State(models.TextChoices):
+        PENDING = "pending"
+        DEPLOYING = "deploying"
+        READY = "ready"
+        DEGRADED = "degraded"  # some, not all, replicas ready
+        FAILED = "failed"
+        STOPPING = "stopping"
+        STOPPED = "stopped"
+
+    name = models.SlugField(max_length=100, unique=True)
+    model = models.ForeignKey(CatalogModel, on_delete=models.PROTECT, related_name="deployments")
+    replicas = models.PositiveIntegerField(default=1, help_text="Desired number of replicas.")
+    context_length = models.PositiveIntegerField(
+        help_text="Context window of one sequence, in tokens."
+    )
+    parallel = models.PositiveIntegerField(help_text="Sequences decoded together per replica.")
+    state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+
+class Replica(models.Model):
+    """One copy of a deployment's model on one node, as the agent reports it."""
+
+    class State(models.TextChoices):
+        PENDING = "pending"
+        LOADING = "loading"
+        READY = "ready"
+        FAILED = "failed"
+        STOPPING = "stopping"
+        STOPPED = "stopped"
+
+    LIVE = (State.PENDING, State.LOADING, State.READY)
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="replica_set")
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="replicas")
+    state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
+    error = models.TextField(blank=True)
+    memory_bytes = models.BigIntegerField(default=0)
+    load_seconds = models.FloatField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["created_at"]
+
+    def __str__(self):
+        return f"{self.deployment.name}/{str(self.id)[:8]}@{self.node.name}"
+
+
+class DeploymentEvent(models.Model):
+    """A state change of a deployment or one of its replicas, in words."""
+
+    class Level(models.TextChoices):
+        INFO = "info"
+        WARNING = "warning"
+        ERROR = "error"
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="events")
+    replica = models.ForeignKey(Replica, on_delete=models.SET_NULL, null=True, blank=True)
+    level = models.CharField(max_length=10, choices=Level.choices, default=Level.INFO)
+    message = models.TextField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self):
+        return self.message

@@ -1,0 +1,404 @@
+"""Deployments: validate and record desired state, then reconcile replicas towards it.
+
+check_* validate, do_* write; every write that needs an agent enqueues a task after the
+transaction commits. Tasks claim their work with a conditional UPDATE, so a task that runs
+twice (acks_late, a lost worker) does nothing the second time.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import grpc
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Count, Q
+from django.urls import reverse
+
+from apps.accounts.errors import Conflict, DomainError, NotFound
+from apps.catalog.models import CatalogModel
+from apps.deployments.models import Deployment, DeploymentEvent, Replica
+from apps.nodes import agent_client
+from apps.nodes.models import Node
+
+log = logging.getLogger(__name__)
+S = Replica.State
+D = Deployment.State
+
+#: Compute buffers and runtime overhead of one engine process, on top of weights and KV.
+ENGINE_OVERHEAD_BYTES = 160 * 1024 * 1024
+#: How long a LoadModel call may take (download included).
+LOAD_TIMEOUT_SECONDS = 900
+
+
+def estimate_memory_bytes(model: CatalogModel, context_length: int, parallel: int) -> int:
+    """Memory one replica needs: weights + f16 KV cache for every slot + overhead."""
+    kv_per_token = 2 * model.n_layers * model.n_kv_heads * model.head_dim * 2
+    return model.size_bytes + kv_per_token * context_length * parallel + ENGINE_OVERHEAD_BYTES
+
+
+def record_event(deployment: Deployment, message: str, level: str = "info", replica=None) -> None:
+    DeploymentEvent.objects.create(
+        deployment=deployment, replica=replica, level=level, message=message
+    )
+    (log.warning if level != "info" else log.info)("%s: %s", deployment.name, message)
+
+
+# ---- desired state ---------------------------------------------------------------------
+
+
+def check_create(
+    name: str, model_name: str, replicas: int, context_length: int | None, parallel: int | None
+) -> tuple[CatalogModel, int, int]:
+    model = CatalogModel.objects.filter(name=model_name).first()
+    if model is None:
+        raise NotFound(f"unknown model {model_name!r}; pull it first")
+    if model.state != CatalogModel.State.READY:
+        raise Conflict(f"model {model_name} is {model.state}, not ready")
+    if Deployment.objects.filter(name=name).exists():
+        raise Conflict(f"a deployment named {name!r} exists")
+    if not 1 <= replicas <= 64:
+        raise DomainError("replicas must be between 1 and 64")
+    context_length = context_length or min(
+        settings.DEFAULT_CONTEXT_LENGTH, model.context_length or 10**9
+    )
+    parallel = parallel or settings.DEFAULT_PARALLEL
+    if model.context_length and context_length > model.context_length:
+        raise DomainError(
+            f"context_length {context_length} is above what {model_name} was trained for "
+            f"({model.context_length})"
+        )
+    if not 16 <= context_length <= 1 << 20 or not 1 <= parallel <= 256:
+        raise DomainError("context_length must be 16..1048576 and parallel 1..256")
+    return model, context_length, parallel
+
+
+def do_create(
+    name: str,
+    model_name: str,
+    replicas: int = 1,
+    context_length: int | None = None,
+    parallel: int | None = None,
+) -> Deployment:
+    """Record a deployment and start reconciling it."""
+    from apps.deployments.tasks import reconcile_deployment
+
+    with transaction.atomic():
+        model, context_length, parallel = check_create(
+            name, model_name, replicas, context_length, parallel
+        )
+        d = Deployment.objects.create(
+            name=name,
+            model=model,
+            replicas=replicas,
+            context_length=context_length,
+            parallel=parallel,
+        )
+        record_event(
+            d,
+            f"created: {model.name}, {replicas} replica(s), "
+            f"context {context_length} x {parallel} slots",
+        )
+        transaction.on_commit(lambda: reconcile_deployment.delay(d.pk))
+    return d
+
+
+def do_scale(d: Deployment, replicas: int) -> Deployment:
+    from apps.deployments.tasks import reconcile_deployment
+
+    if not 1 <= replicas <= 64:
+        raise DomainError("replicas must be between 1 and 64")
+    if d.state in (D.STOPPING, D.STOPPED):
+        raise Conflict(f"{d.name} is {d.state}; redeploy it first")
+    with transaction.atomic():
+        Deployment.objects.filter(pk=d.pk).update(replicas=replicas)
+        record_event(d, f"scaled to {replicas} replica(s)")
+        transaction.on_commit(lambda: reconcile_deployment.delay(d.pk))
+    d.refresh_from_db()
+    return d
+
+
+def do_undeploy(d: Deployment) -> Deployment:
+    """Stop every replica and free its memory; the row stays, as stopped."""
+    from apps.deployments.tasks import reconcile_deployment
+
+    with transaction.atomic():
+        Deployment.objects.filter(pk=d.pk).update(state=D.STOPPING, error="")
+        record_event(d, "undeploy requested")
+        transaction.on_commit(lambda: reconcile_deployment.delay(d.pk))
+    d.refresh_from_db()
+    return d
+
+
+def do_redeploy(d: Deployment) -> Deployment:
+    """Replace failed replicas (or start a stopped deployment again)."""
+    from apps.deployments.tasks import free_on_node, reconcile_deployment
+
+    if not CatalogModel.objects.filter(pk=d.model_id, state=CatalogModel.State.READY).exists():
+        raise Conflict(f"model {d.model.name} is not ready")
+    with transaction.atomic():
+        failed = list(d.replica_set.filter(state=S.FAILED).select_related("node"))
+        Replica.objects.filter(pk__in=[r.pk for r in failed]).update(state=S.STOPPED)
+        Deployment.objects.filter(pk=d.pk).update(state=D.PENDING, error="")
+        record_event(d, f"redeploy requested ({len(failed)} failed replica(s) replaced)")
+        for r in failed:
+            # The agent may still hold the dead engine's record: clear it there too.
+            transaction.on_commit(lambda r=r: free_on_node.delay(r.node_id, str(r.pk)))
+        transaction.on_commit(lambda: reconcile_deployment.delay(d.pk))
+    d.refresh_from_db()
+    return d
+
+
+def do_delete(d: Deployment) -> None:
+    if d.replica_set.exclude(state=S.STOPPED).exists():
+        raise Conflict(f"{d.name} still holds replicas; undeploy it first")
+    d.delete()
+
+
+# ---- reconciling -----------------------------------------------------------------------
+
+
+def place(d: Deployment, count: int) -> tuple[list[Node], str]:
+    """Pick nodes for `count` new replicas: spread first, then most free memory.
+
+    Returns the nodes found (maybe fewer than asked) and why the rest could not be placed.
+    """
+    need = estimate_memory_bytes(d.model, d.context_length, d.parallel)
+    nodes = list(
+        Node.objects.filter(state=Node.State.READY).annotate(
+            mine=Count(
+                "replicas", filter=Q(replicas__deployment=d, replicas__state__in=Replica.LIVE)
+            ),
+            booked=Count("replicas", filter=Q(replicas__state__in=[S.PENDING, S.LOADING])),
+        )
+    )
+    if not nodes:
+        return [], "no node is ready (is an agent running and registered?)"
+    # Memory an agent has not reported as used yet: replicas still on their way.
+    free = {n.pk: n.memory_available_bytes - n.booked * need for n in nodes}
+    chosen: list[Node] = []
+    for _ in range(count):
+        fits = [n for n in nodes if free[n.pk] >= need]
+        if not fits:
+            best = max(nodes, key=lambda n: free[n.pk])
+            return chosen, (
+                f"needs {need / 2**30:.2f} GiB per replica; the node with the most free memory "
+                f"({best.name}) has {max(free[best.pk], 0) / 2**30:.2f} GiB"
+            )
+        node = min(fits, key=lambda n: (n.mine, -free[n.pk]))
+        node.mine += 1
+        free[node.pk] -= need
+        chosen.append(node)
+    return chosen, ""
+
+
+def reconcile(deployment_id: int) -> None:
+    """Bring a deployment's replicas towards its desired state (safe to run any time)."""
+    from apps.deployments.tasks import free_replica, load_replica
+
+    with transaction.atomic():
+        d = Deployment.objects.select_for_update().select_related("model").get(pk=deployment_id)
+        if d.state in (D.STOPPING, D.STOPPED):
+            to_stop = list(d.replica_set.filter(state__in=Replica.LIVE + (S.FAILED,)))
+            Replica.objects.filter(pk__in=[r.pk for r in to_stop]).update(state=S.STOPPING)
+            for r in to_stop:
+                transaction.on_commit(lambda r=r: free_replica.delay(str(r.pk)))
+            refresh_state(d)
+            return
+        # Failed replicas keep their place until someone redeploys: no silent restart loops.
+        current = d.replica_set.filter(state__in=Replica.LIVE + (S.FAILED,))
+        missing = d.replicas - current.count()
+        if missing > 0:
+            nodes, why = place(d, missing)
+            for node in nodes:
+                r = Replica.objects.create(deployment=d, node=node)
+                record_event(d, f"replica placed on {node.name}", replica=r)
+                transaction.on_commit(lambda r=r: load_replica.delay(str(r.pk)))
+            if why and why != d.error:
+                record_event(d, f"waiting for capacity: {why}", level="warning")
+            Deployment.objects.filter(pk=d.pk).update(error=why and f"waiting for capacity: {why}")
+        elif missing < 0:
+            # Drop the least useful first: failed, then not yet ready, then the newest.
+            rank = {S.FAILED: 0, S.PENDING: 1, S.LOADING: 2, S.READY: 3}
+            extra = sorted(current, key=lambda r: (rank[r.state], -r.created_at.timestamp()))[
+                :-missing
+            ]
+            Replica.objects.filter(pk__in=[r.pk for r in extra]).update(state=S.STOPPING)
+            for r in extra:
+                transaction.on_commit(lambda r=r: free_replica.delay(str(r.pk)))
+        d.refresh_from_db()
+        refresh_state(d)
+
+
+def refresh_state(d: Deployment) -> str:
+    """Derive a deployment's state from its replicas; record a change as an event."""
+    counts = dict(
+        d.replica_set.values_list("state").annotate(n=Count("pk")).values_list("state", "n")
+    )
+    ready = counts.get(S.READY, 0)
+    error = d.error
+    if d.state in (D.STOPPING, D.STOPPED):
+        busy = sum(counts.get(s, 0) for s in (*Replica.LIVE, S.STOPPING))
+        state = D.STOPPING if busy else D.STOPPED
+    elif ready >= d.replicas:
+        state, error = D.READY, ""
+    elif ready:
+        state = D.DEGRADED
+    elif counts.get(S.PENDING, 0) or counts.get(S.LOADING, 0):
+        state = D.DEPLOYING
+    elif counts.get(S.FAILED, 0):
+        state = D.FAILED
+        last = d.replica_set.filter(state=S.FAILED).order_by("-updated_at").first()
+        error = last.error if last else error
+    else:
+        state = D.PENDING  # waiting for capacity
+    if state == D.DEGRADED:
+        last = d.replica_set.filter(state=S.FAILED).order_by("-updated_at").first()
+        error = last.error if last else ""
+    if state != d.state or error != d.error:
+        Deployment.objects.filter(pk=d.pk).update(state=state, error=error)
+        if state != d.state:
+            level = "error" if state == D.FAILED else "warning" if state == D.DEGRADED else "info"
+            record_event(d, f"{d.state} -> {state}" + (f": {error}" if error else ""), level=level)
+        d.state, d.error = state, error
+    return state
+
+
+def fail_replica(replica: Replica, error: str, from_states=Replica.LIVE) -> bool:
+    """Mark a replica failed (if it still is in one of from_states) and refresh its deployment."""
+    changed = Replica.objects.filter(pk=replica.pk, state__in=from_states).update(
+        state=S.FAILED, error=error
+    )
+    if changed:
+        d = Deployment.objects.get(pk=replica.deployment_id)
+        record_event(
+            d, f"replica on {replica.node.name} failed: {error}", level="error", replica=replica
+        )
+        refresh_state(d)
+    return bool(changed)
+
+
+def load(replica_id: str) -> None:
+    """Ask the replica's node to load it; record the outcome."""
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    from apps.deployments.tasks import free_replica
+
+    claimed = Replica.objects.filter(pk=replica_id, state=S.PENDING).update(state=S.LOADING)
+    if not claimed:
+        return  # another worker got there first, or it was stopped meanwhile
+    r = Replica.objects.select_related("deployment__model", "node").get(pk=replica_id)
+    d, model, node = r.deployment, r.deployment.model, r.node
+    record_event(d, f"loading {model.name} on {node.name}", replica=r)
+    refresh_state(d)
+    request = pb.LoadModelRequest(
+        replica_id=str(r.pk),
+        model_name=model.name,
+        sha256=model.sha256,
+        size_bytes=model.size_bytes,
+        download_url=settings.PUBLIC_URL.rstrip("/")
+        + reverse("agent-model-file", kwargs={"sha256": model.sha256}),
+        context_length=d.context_length,
+        parallel=d.parallel,
+    )
+    try:
+        resp = agent_client.stub(node.address).LoadModel(
+            request, metadata=agent_client.metadata(), timeout=LOAD_TIMEOUT_SECONDS
+        )
+    except grpc.RpcError as exc:
+        fail_replica(
+            r, f"node {node.name} ({node.address}) did not load it: {exc.details() or exc.code()}"
+        )
+        return
+    if resp.state != pb.REPLICA_STATE_READY:
+        fail_replica(
+            r, f"loading on {node.name} failed: {resp.error or pb.ReplicaState.Name(resp.state)}"
+        )
+        return
+    became_ready = Replica.objects.filter(pk=r.pk, state=S.LOADING).update(
+        state=S.READY, error="", memory_bytes=resp.memory_bytes, load_seconds=resp.load_seconds
+    )
+    if not became_ready:
+        # Undeployed or scaled down while loading: do not leave the memory held.
+        free_replica.delay(str(r.pk))
+        return
+    record_event(
+        d,
+        f"replica on {node.name} ready in {resp.load_seconds:.1f} s "
+        f"({resp.memory_bytes / 2**20:.0f} MiB)",
+        replica=r,
+    )
+    refresh_state(Deployment.objects.get(pk=d.pk))
+
+
+def free(replica_id: str) -> None:
+    """Ask the replica's node to free it, then mark it stopped."""
+    r = Replica.objects.select_related("node", "deployment").filter(pk=replica_id).first()
+    if r is None or r.state == S.STOPPED:
+        return
+    if r.state not in (S.STOPPING,):
+        Replica.objects.filter(pk=r.pk).update(state=S.STOPPING)
+    error = free_remote(r.node, str(r.pk))
+    Replica.objects.filter(pk=r.pk, state=S.STOPPING).update(state=S.STOPPED)
+    msg = f"replica on {r.node.name} stopped" + (f" (agent not reached: {error})" if error else "")
+    record_event(r.deployment, msg, level="warning" if error else "info", replica=r)
+    refresh_state(Deployment.objects.get(pk=r.deployment_id))
+
+
+def free_remote(node: Node, replica_id: str) -> str:
+    """FreeMemory on a node; returns "" or why it could not be reached."""
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    try:
+        agent_client.stub(node.address).FreeMemory(
+            pb.FreeMemoryRequest(replica_id=replica_id),
+            metadata=agent_client.metadata(),
+            timeout=30,
+        )
+    except grpc.RpcError as exc:
+        return exc.details() or str(exc.code())
+    return ""
+
+
+def apply_agent_report(node: Node, reported: list[dict]) -> None:
+    """Compare what an agent holds with what we think it holds."""
+    from apps.deployments.tasks import free_on_node
+
+    by_id = {r["replica_id"]: r for r in reported if _is_uuid(r["replica_id"])}
+    for r in Replica.objects.filter(node=node, state=S.READY).select_related("node"):
+        seen = by_id.get(str(r.pk))
+        if seen is None:
+            fail_replica(
+                r, f"node {node.name} no longer holds this replica (agent restarted?)", (S.READY,)
+            )
+        elif seen["state"] == "failed":
+            fail_replica(r, f"{seen['error']} (on node {node.name})", (S.READY,))
+        elif seen["memory_bytes"] and seen["memory_bytes"] != r.memory_bytes:
+            Replica.objects.filter(pk=r.pk).update(memory_bytes=seen["memory_bytes"])
+    # Engines the agent holds that should not run any more: free them.
+    wanted = {
+        str(pk)
+        for pk in Replica.objects.filter(
+            node=node, pk__in=list(by_id), state__in=(S.PENDING, S.LOADING, S.READY)
+        ).values_list("pk", flat=True)
+    }
+    for replica_id, seen in by_id.items():
+        if replica_id not in wanted and seen["state"] != "stopping":
+            transaction.on_commit(lambda rid=replica_id: free_on_node.delay(node.pk, rid))
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def node_lost(node: Node, since) -> None:
+    """A node went quiet: what it held cannot serve."""
+    for r in Replica.objects.filter(node=node, state__in=Replica.LIVE).select_related("node"):
+        fail_replica(
+            r, f"node {node.name} stopped sending heartbeats (last at {since:%H:%M:%S} UTC)"
+        )

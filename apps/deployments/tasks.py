@@ -1,0 +1,60 @@
+"""Control operations on the `control` queue. Each takes an id and is safe to run twice."""
+
+from celery import shared_task
+
+from apps.deployments import services
+from apps.deployments.models import Deployment
+from apps.nodes.models import Node
+from controlplane.celery import app
+
+
+@shared_task(time_limit=120, soft_time_limit=100)
+def reconcile_deployment(deployment_id: int) -> None:
+    """Place, load or free replicas until the deployment matches its desired state."""
+    services.reconcile(deployment_id)
+
+
+@shared_task(
+    time_limit=services.LOAD_TIMEOUT_SECONDS + 60,
+    soft_time_limit=services.LOAD_TIMEOUT_SECONDS + 30,
+)
+def load_replica(replica_id: str) -> None:
+    """LoadModel on the replica's node."""
+    services.load(replica_id)
+
+
+@shared_task(time_limit=90, soft_time_limit=60)
+def free_replica(replica_id: str) -> None:
+    """FreeMemory on the replica's node and mark it stopped."""
+    services.free(replica_id)
+
+
+@shared_task(time_limit=90, soft_time_limit=60)
+def free_on_node(node_id: int, replica_id: str) -> None:
+    """FreeMemory for an engine the control plane no longer wants on that node."""
+    node = Node.objects.filter(pk=node_id).first()
+    if node is not None:
+        services.free_remote(node, replica_id)
+
+
+@shared_task(time_limit=120, soft_time_limit=100)
+def reconcile_all() -> int:
+    """Retry placement of deployments waiting for capacity, and finish stops."""
+    ids = list(
+        Deployment.objects.filter(
+            state__in=[
+                Deployment.State.PENDING,
+                Deployment.State.DEPLOYING,
+                Deployment.State.DEGRADED,
+                Deployment.State.STOPPING,
+            ]
+        ).values_list("pk", flat=True)
+    )
+    for pk in ids:
+        services.reconcile(pk)
+    return len(ids)
+
+
+@app.on_after_finalize.connect
+def _schedule(sender, **kwargs):
+    sender.add_periodic_task(15.0, reconcile_all.s(), name="deployments: reconcile all")

@@ -1,0 +1,20 @@
+from django.contrib import admin
+
+from apps.nodes.models import Node
+
+
+@admin.register(Node)
+class NodeAdmin(admin.ModelAdmin):
+    list_display = (
+        "name",
+        "address",
+        "state",
+        "cpu_cores",
+        "memory_total_bytes",
+        "memory_available_bytes",
+        "in_flight",
+        "last_heartbeat_at",
+    )
+    list_filter = ("state",)
+    search_fields = ("name", "address")
+    readonly_fields = ("registered_at", "last_heartbeat_at", "reported_replicas")

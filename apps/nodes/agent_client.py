@@ -1,0 +1,47 @@
+"""gRPC clients of node agents: blocking ones for Celery tasks, asyncio ones for serving.
+
+Channels are cached per address: opening one costs a TCP and HTTP/2 handshake, which must
+not land on every request's time to first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from django.conf import settings
+from llamafleet.agent.v1 import agent_pb2_grpc
+
+ERROR_METADATA_KEY = "llamafleet-error-code"
+_sync_channels: dict[str, grpc.Channel] = {}
+_aio_channels: dict[tuple[int, str], grpc.aio.Channel] = {}
+
+
+def metadata() -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {settings.NODE_TOKEN}"),)
+
+
+def stub(address: str) -> agent_pb2_grpc.NodeAgentStub:
+    """A blocking stub, for tasks."""
+    channel = _sync_channels.get(address)
+    if channel is None:
+        channel = _sync_channels[address] = grpc.insecure_channel(address)
+    return agent_pb2_grpc.NodeAgentStub(channel)
+
+
+def aio_stub(address: str) -> agent_pb2_grpc.NodeAgentStub:
+    """An asyncio stub bound to the running event loop, for the serving path."""
+    key = (id(asyncio.get_running_loop()), address)
+    channel = _aio_channels.get(key)
+    if channel is None:
+        channel = _aio_channels[key] = grpc.aio.insecure_channel(address)
+    return agent_pb2_grpc.NodeAgentStub(channel)
+
+
+def error_code(exc: grpc.RpcError) -> str:
+    """The agent's machine-readable ErrorCode name of a failed call, or ""."""
+    try:
+        trailing = exc.trailing_metadata() or ()
+    except Exception:  # a call that never reached the agent has no trailers
+        return ""
+    return dict(trailing).get(ERROR_METADATA_KEY, "")

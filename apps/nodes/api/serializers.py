@@ -1,0 +1,35 @@
+from rest_framework import serializers
+
+from apps.nodes.models import Node
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    heartbeat_age_seconds = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Node
+        fields = [
+            "id",
+            "name",
+            "address",
+            "state",
+            "version",
+            "cpu_cores",
+            "accelerators",
+            "memory_total_bytes",
+            "memory_available_bytes",
+            "memory_in_use_bytes",
+            "in_flight",
+            "reported_replicas",
+            "registered_at",
+            "last_heartbeat_at",
+            "heartbeat_age_seconds",
+        ]
+        read_only_fields = fields
+
+    def get_heartbeat_age_seconds(self, node) -> float | None:
+        from django.utils import timezone
+
+        if node.last_heartbeat_at is None:
+            return None
+        return round((timezone.now() - node.last_heartbeat_at).total_seconds(), 1)

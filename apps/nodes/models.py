@@ -1,0 +1,30 @@
+from django.db import models
+
+
+class Node(models.Model):
+    """A machine running a node agent, as its heartbeats describe it."""
+
+    class State(models.TextChoices):
+        READY = "ready"
+        UNREACHABLE = "unreachable"
+
+    name = models.CharField(max_length=100, unique=True)
+    address = models.CharField(max_length=255, help_text="host:port of the agent's gRPC server")
+    state = models.CharField(max_length=20, choices=State.choices, default=State.READY)
+    version = models.CharField(max_length=40, blank=True)
+    memory_total_bytes = models.BigIntegerField(default=0)
+    memory_available_bytes = models.BigIntegerField(default=0)
+    memory_in_use_bytes = models.BigIntegerField(default=0)
+    cpu_cores = models.PositiveIntegerField(default=0)
+    accelerators = models.JSONField(default=list, blank=True)
+    in_flight = models.PositiveIntegerField(default=0)
+    #: The replicas as the agent reported them last (replica_id, state, error, memory, pid).
+    reported_replicas = models.JSONField(default=list, blank=True)
+    registered_at = models.DateTimeField(auto_now_add=True)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name

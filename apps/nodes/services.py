@@ -1,0 +1,81 @@
+"""Recording what agents report and noticing the ones that went quiet."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from apps.accounts.errors import DomainError
+from apps.nodes.models import Node
+from apps.nodes.signals import node_lost, node_reported
+
+log = logging.getLogger(__name__)
+
+_STATE_NAMES = {
+    "REPLICA_STATE_LOADING": "loading",
+    "REPLICA_STATE_READY": "ready",
+    "REPLICA_STATE_FAILED": "failed",
+    "REPLICA_STATE_STOPPING": "stopping",
+}
+
+
+def record_heartbeat(payload: dict) -> Node:
+    """Register or refresh a node from an agent's status report (registration is the first one)."""
+    name = str(payload.get("node_name") or "").strip()
+    address = str(payload.get("address") or "").strip()
+    if not name or not address:
+        raise DomainError("node_name and address are required")
+    replicas = [
+        {
+            "replica_id": r.get("replica_id", ""),
+            "model_name": r.get("model_name", ""),
+            "state": _STATE_NAMES.get(r.get("state"), "unknown"),
+            "error": r.get("error", ""),
+            "memory_bytes": int(r.get("memory_bytes") or 0),
+            "in_flight": int(r.get("in_flight") or 0),
+            "pid": int(r.get("pid") or 0),
+        }
+        for r in payload.get("replicas") or []
+    ]
+    fields = {
+        "address": address,
+        "state": Node.State.READY,
+        "version": str(payload.get("version", ""))[:40],
+        "memory_total_bytes": int(payload.get("memory_total_bytes") or 0),
+        "memory_available_bytes": int(payload.get("memory_available_bytes") or 0),
+        "memory_in_use_bytes": int(payload.get("memory_in_use_bytes") or 0),
+        "cpu_cores": int(payload.get("cpu_cores") or 0),
+        "accelerators": list(payload.get("accelerators") or []),
+        "in_flight": int(payload.get("in_flight") or 0),
+        "reported_replicas": replicas,
+        "last_heartbeat_at": timezone.now(),
+    }
+    with transaction.atomic():
+        node, created = Node.objects.select_for_update().update_or_create(
+            name=name, defaults=fields
+        )
+        if created:
+            log.info("node %s registered at %s", name, address)
+        node_reported.send(sender=Node, node=node, reported=replicas)
+    return node
+
+
+def sweep_stale_nodes() -> list[str]:
+    """Mark nodes unreachable when their heartbeats stopped; returns their names."""
+    cutoff = timezone.now() - timedelta(seconds=settings.HEARTBEAT_TIMEOUT_SECONDS)
+    lost = []
+    for node in Node.objects.filter(state=Node.State.READY, last_heartbeat_at__lt=cutoff):
+        with transaction.atomic():
+            # Conditional update: another sweeper (or a fresh heartbeat) may have got there first.
+            claimed = Node.objects.filter(
+                pk=node.pk, state=Node.State.READY, last_heartbeat_at__lt=cutoff
+            ).update(state=Node.State.UNREACHABLE)
+            if claimed:
+                log.warning("node %s stopped sending heartbeats", node.name)
+                node_lost.send(sender=Node, node=node, since=node.last_heartbeat_at)
+                lost.append(node.name)
+    return lost

@@ -1,0 +1,8 @@
+"""What the nodes app tells the rest of the control plane, without importing it."""
+
+from django.dispatch import Signal
+
+#: A heartbeat was recorded: sender=Node, reported=list of replica dicts.
+node_reported = Signal()
+#: A node stopped sending heartbeats: sender=Node, since=datetime of its last one.
+node_lost = Signal()

@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class ServingConfig(AppConfig):
+    """Inference for clients: OpenAI-compatible HTTP (JSON and SSE) and websockets."""
+
+    name = "apps.serving"

@@ -1,0 +1,1 @@
+"""The serving app keeps no tables yet; usage records arrive with metering."""

@@ -1,0 +1,196 @@
+"""OpenAI-compatible HTTP endpoints (async views: a stream must not hold a thread)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET, require_POST
+
+from apps.accounts.services import authenticate_key, bearer_from_header
+from apps.serving import openai
+from apps.serving.services import (
+    Finished,
+    Generation,
+    GenerationParams,
+    Piece,
+    ServingError,
+    now,
+    served_models,
+    start_generation,
+)
+
+
+def error_response(err: ServingError) -> JsonResponse:
+    response = JsonResponse(err.body(), status=err.status)
+    if err.retry_after is not None:
+        response["Retry-After"] = str(err.retry_after)
+    return response
+
+
+async def _authenticate(request: HttpRequest) -> None:
+    raw = bearer_from_header(request.headers.get("Authorization", ""))
+    if raw and await sync_to_async(authenticate_key)(raw):
+        return
+    user = await request.auser()  # the console's session
+    if user.is_authenticated:
+        return
+    raise ServingError(
+        401,
+        "Incorrect API key provided." if raw else "You didn't provide an API key.",
+        code="invalid_api_key",
+    )
+
+
+def _parse_json(request: HttpRequest):
+    try:
+        return json.loads(request.body or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ServingError(400, f"the body is not valid JSON: {exc}", param="body") from None
+
+
+def _sse(data) -> bytes:
+    return b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
+
+
+async def _serve(request, parse: Callable, shape: str) -> HttpResponse:
+    try:
+        await _authenticate(request)
+        params, stream, include_usage = parse(_parse_json(request))
+        gen = await start_generation(params)
+    except ServingError as err:
+        return error_response(err)
+    if stream:
+        response = StreamingHttpResponse(
+            _stream(gen, params, shape, include_usage), content_type="text/event-stream"
+        )
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"
+        return response
+    return await _collect(gen, params, shape)
+
+
+def _usage(f: Finished) -> dict:
+    return {
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+    }
+
+
+def _ids(gen: Generation, shape: str) -> tuple[str, str]:
+    if shape == "chat":
+        return f"chatcmpl-{gen.id}", "chat.completion"
+    return f"cmpl-{gen.id}", "text_completion"
+
+
+async def _collect(gen: Generation, params: GenerationParams, shape: str) -> HttpResponse:
+    parts: list[str] = []
+    try:
+        async for ev in gen.events:
+            if isinstance(ev, Piece):
+                parts.append(ev.text)
+            else:
+                finished = ev
+    except ServingError as err:
+        return error_response(err)
+    text = "".join(parts)
+    ident, obj = _ids(gen, shape)
+    reason = "stop" if finished.finish_reason == "cancelled" else finished.finish_reason
+    choice = (
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": reason,
+            "logprobs": None,
+        }
+        if shape == "chat"
+        else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    )
+    body = {
+        "id": ident,
+        "object": obj,
+        "created": now(),
+        "model": params.model,
+        "choices": [choice],
+        "usage": _usage(finished),
+        "system_fingerprint": f"llamafleet-{gen.target.deployment}",
+    }
+    response = JsonResponse(body)
+    response["X-LlamaFleet-Node"] = gen.target.node_name
+    response["X-LlamaFleet-Replica"] = gen.target.replica_id
+    return response
+
+
+async def _stream(
+    gen: Generation, params: GenerationParams, shape: str, include_usage: bool
+) -> AsyncIterator[bytes]:
+    ident, obj = _ids(gen, shape)
+    obj += ".chunk" if shape == "chat" else ""
+    created = now()
+    base = {
+        "id": ident,
+        "object": obj,
+        "created": created,
+        "model": params.model,
+        "system_fingerprint": f"llamafleet-{gen.target.deployment}",
+    }
+
+    def chunk(text: str | None, reason: str | None, first: bool = False) -> dict:
+        if shape == "chat":
+            delta = (
+                {"role": "assistant", "content": ""}
+                if first
+                else ({"content": text} if text is not None else {})
+            )
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        return base | {"choices": [choice]} | ({"usage": None} if include_usage else {})
+
+    if shape == "chat":
+        yield _sse(chunk(None, None, first=True))
+    try:
+        async for ev in gen.events:
+            if isinstance(ev, Piece):
+                yield _sse(chunk(ev.text, None))
+            else:
+                reason = "stop" if ev.finish_reason == "cancelled" else ev.finish_reason
+                yield _sse(chunk(None, reason))
+                if include_usage:
+                    yield _sse(base | {"choices": [], "usage": _usage(ev)})
+    except ServingError as err:
+        # Headers are gone: the error travels as an event, and no [DONE] follows.
+        yield _sse(err.body())
+        return
+    yield _sse(b"[DONE]")
+
+
+@csrf_exempt
+@require_POST
+async def chat_completions(request):
+    return await _serve(request, openai.chat_params, "chat")
+
+
+@csrf_exempt
+@require_POST
+async def completions(request):
+    return await _serve(request, openai.completion_params, "text")
+
+
+@require_GET
+async def models(request):
+    try:
+        await _authenticate(request)
+    except ServingError as err:
+        return error_response(err)
+    return JsonResponse({"object": "list", "data": await served_models()})
+
+
+@require_GET
+def health(request):
+    """Liveness of the control plane process: open, answers without touching the database."""
+    return JsonResponse({"status": "ok"})

@@ -1,0 +1,157 @@
+"""Settings: every value read from the environment here, strictly parsed.
+
+Embedded defaults run the whole stack on one machine: SQLite under var/ and Redis on
+127.0.0.1:6379. Secrets have no default: a missing one stops the process at start with
+the variable's name.
+"""
+
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(environ.Env().str("LLAMAFLEET_VAR_DIR", default=str(BASE_DIR / "var")))
+
+env = environ.Env()
+
+
+def _required(name: str) -> str:
+    value = env.str(name, default="")
+    if not value:
+        raise ImproperlyConfigured(
+            f"{name} is not set. Export it (make run writes one to var/env for you)."
+        )
+    return value
+
+
+DEBUG = env.bool("LLAMAFLEET_DEBUG", default=False)
+SECRET_KEY = _required("LLAMAFLEET_SECRET_KEY")
+#: Shared secret of agents and the control plane, for heartbeats, downloads and gRPC.
+NODE_TOKEN = _required("LLAMAFLEET_NODE_TOKEN")
+ALLOWED_HOSTS = env.list("LLAMAFLEET_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env.list("LLAMAFLEET_CSRF_TRUSTED_ORIGINS", default=[])
+
+DATABASES = {
+    "default": env.db_url("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'llamafleet.sqlite3'}")
+}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # Several processes write (web, worker, beat): wait for the lock instead of failing.
+    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("LLAMAFLEET_DB_CONN_MAX_AGE", default=0)
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "channels",
+    "apps.accounts",
+    "apps.nodes",
+    "apps.catalog",
+    "apps.deployments",
+    "apps.serving",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "controlplane.urls"
+ASGI_APPLICATION = "controlplane.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "apps.accounts.authentication.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "apps.accounts.errors.exception_handler",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "LlamaFleet API",
+    "DESCRIPTION": "Nodes, models, deployments and OpenAI-compatible inference.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL]},
+    }
+}
+
+# Celery: one queue per task family, explicit time limits (checked by a test).
+CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_DEFAULT_QUEUE = "control"
+CELERY_TASK_ROUTES = {
+    "apps.catalog.tasks.*": {"queue": "jobs"},
+    "apps.deployments.tasks.*": {"queue": "control"},
+    "apps.nodes.tasks.*": {"queue": "control"},
+}
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+CELERY_TASK_ALWAYS_EAGER = env.bool("LLAMAFLEET_CELERY_EAGER", default=False)
+
+# Fleet behaviour.
+MODEL_STORE_DIR = Path(env.str("LLAMAFLEET_MODEL_STORE", default=str(VAR_DIR / "models")))
+#: A node whose last heartbeat is older than this is marked unreachable.
+HEARTBEAT_TIMEOUT_SECONDS = env.int("LLAMAFLEET_HEARTBEAT_TIMEOUT", default=20)
+#: Base URL agents use to download model files from this control plane.
+PUBLIC_URL = env.str("LLAMAFLEET_PUBLIC_URL", default="http://127.0.0.1:8000")
+DEFAULT_CONTEXT_LENGTH = env.int("LLAMAFLEET_DEFAULT_CONTEXT", default=2048)
+DEFAULT_PARALLEL = env.int("LLAMAFLEET_DEFAULT_PARALLEL", default=4)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env.str("LLAMAFLEET_LOG_LEVEL", default="INFO")},
+}

@@ -1,0 +1,21 @@
+from django.contrib import admin
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from apps.serving.views import health
+
+api_v1 = [
+    path("", include("apps.accounts.api.urls")),
+    path("", include("apps.nodes.api.urls")),
+    path("", include("apps.catalog.api.urls")),
+    path("", include("apps.deployments.api.urls")),
+    path("schema", SpectacularAPIView.as_view(), name="schema"),
+    path("docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+]
+
+urlpatterns = [
+    path("healthz", health, name="health"),
+    path("admin/", admin.site.urls),
+    path("api/v1/", include(api_v1)),
+    path("v1/", include("apps.serving.urls")),
+]
