@@ -11,7 +11,9 @@ class Command(BaseCommand):
     help = (
         f"Pull a model into the store (known: {', '.join(sorted(sources.KNOWN_MODELS))}), "
         "or import a local GGUF file with --path."
-    )def add_arguments(self, parser):
+    )
+
+    def add_arguments(self, parser):
         parser.add_argument("name")
         parser.add_argument("--path", default="", help="import this local GGUF file under NAME")
         parser.add_argument("--if-missing", action="store_true", help="do nothing if NAME is ready")
