@@ -36,8 +36,16 @@ DATABASES = {
     "default": env.db_url("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'llamafleet.sqlite3'}")
 }
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
-    # Several processes write (web, worker, beat): wait for the lock instead of failing.
-    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+    # Several processes write (web, worker, beat). IMMEDIATE transactions take the write
+    # lock up front, so a writer waits (timeout) instead of failing with "database is
+    # locked" when a read transaction would have to upgrade; WAL lets readers go on.
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {
+            "timeout": 20,
+            "transaction_mode": "IMMEDIATE",
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        }
+    )
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("LLAMAFLEET_DB_CONN_MAX_AGE", default=0)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

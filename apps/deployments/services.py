@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, Q
 from django.urls import reverse
+from django.utils import timezone
 
 from apps.accounts.errors import Conflict, DomainError, NotFound
 from apps.catalog.models import CatalogModel
@@ -268,7 +269,7 @@ def refresh_state(d: Deployment) -> str:
 def fail_replica(replica: Replica, error: str, from_states=Replica.LIVE) -> bool:
     """Mark a replica failed (if it still is in one of from_states) and refresh its deployment."""
     changed = Replica.objects.filter(pk=replica.pk, state__in=from_states).update(
-        state=S.FAILED, error=error
+        state=S.FAILED, error=error, updated_at=timezone.now()
     )
     if changed:
         d = Deployment.objects.get(pk=replica.deployment_id)
@@ -317,7 +318,11 @@ def load(replica_id: str) -> None:
         )
         return
     became_ready = Replica.objects.filter(pk=r.pk, state=S.LOADING).update(
-        state=S.READY, error="", memory_bytes=resp.memory_bytes, load_seconds=resp.load_seconds
+        state=S.READY,
+        error="",
+        memory_bytes=resp.memory_bytes,
+        load_seconds=resp.load_seconds,
+        updated_at=timezone.now(),
     )
     if not became_ready:
         # Undeployed or scaled down while loading: do not leave the memory held.

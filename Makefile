@@ -1,0 +1,48 @@
+# The two commands of the README: `make run` and `make test`. Everything else supports them.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROTO := proto/llamafleet/agent/v1/agent.proto
+
+.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt pyproject.toml scripts/install_engine.sh
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	scripts/install_engine.sh $(PY)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $@
+
+run: setup
+	$(PY) scripts/stack.py up
+
+stop:
+	$(PY) scripts/stack.py down
+
+status:
+	$(PY) scripts/stack.py status
+
+test: setup
+	scripts/test.sh $(PY)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+proto: setup
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --grpc_python_out=proto --pyi_out=proto $(PROTO)
+
+check-proto: setup
+	scripts/check_proto.sh $(PY)
+
+superuser: setup
+	$(PY) manage.py createsuperuser
+
+engine-rebuild: setup
+	CMAKE_ARGS="-DGGML_RPC=ON -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+	  $(PY) -m pip install --force-reinstall --no-cache-dir --no-binary llama-cpp-python --no-deps llama-cpp-python==0.3.36
+
+clean: stop
+	rm -rf var

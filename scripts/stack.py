@@ -1,0 +1,240 @@
+"""Run the whole stack on this machine: `up`, `down`, `status`.
+
+`up` starts what is missing (Redis if none answers at REDIS_URL, the ASGI server, a Celery
+worker and beat, one node agent), pulls and deploys the default model and prints the URL
+and an API key. Secrets are generated once into var/env (mode 0600) unless the
+environment provides them. Every process writes var/log/<name>.log and var/run/<name>.pid;
+`down` stops exactly those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class Stack:
+    """Paths and environment of one stack instance (one var/ directory)."""
+
+    def __init__(self, var: Path, port: int, agent_port: int):
+        self.var = var
+        self.port = port
+        self.agent_port = agent_port
+        self.run_dir = var / "run"
+        self.log_dir = var / "log"
+        for d in (self.run_dir, self.log_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.env = self._environment()
+
+    # ---- configuration -------------------------------------------------------------
+
+    def _environment(self) -> dict[str, str]:
+        """Process environment: the caller's, plus secrets kept in var/env."""
+        saved = {}
+        env_file = self.var / "env"
+        if env_file.exists():
+            for line in env_file.read_text().splitlines():
+                key, _, value = line.partition("=")
+                if key:
+                    saved[key] = value
+        for key, make in (
+            ("LLAMAFLEET_SECRET_KEY", lambda: secrets.token_urlsafe(48)),
+            ("LLAMAFLEET_NODE_TOKEN", lambda: secrets.token_urlsafe(32)),
+            ("LLAMAFLEET_BOOTSTRAP_KEY", lambda: "lf-" + secrets.token_urlsafe(32)),
+        ):
+            if os.environ.get(key):
+                saved[key] = os.environ[key]
+            saved.setdefault(key, make())
+        env_file.write_text("".join(f"{k}={v}\n" for k, v in sorted(saved.items())))
+        env_file.chmod(0o600)
+        env = dict(os.environ) | saved
+        env.setdefault("LLAMAFLEET_VAR_DIR", str(self.var))
+        env.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0")
+        env["LLAMAFLEET_PUBLIC_URL"] = f"http://127.0.0.1:{self.port}"
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # ---- processes -----------------------------------------------------------------
+
+    def pid(self, name: str) -> int | None:
+        path = self.run_dir / f"{name}.pid"
+        try:
+            pid = int(path.read_text())
+            os.kill(pid, 0)
+            return pid
+        except (OSError, ValueError):
+            return None
+
+    def start(self, name: str, argv: list[str]) -> None:
+        if self.pid(name):
+            print(f"  {name}: already running (pid {self.pid(name)})")
+            return
+        log = open(self.log_dir / f"{name}.log", "ab")
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        (self.run_dir / f"{name}.pid").write_text(str(proc.pid))
+        print(f"  {name}: started (pid {proc.pid}, log {self.log_dir / (name + '.log')})")
+
+    def stop(self, name: str) -> None:
+        pid = self.pid(name)
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except OSError:
+                os.kill(pid, signal.SIGTERM)
+            for _ in range(100):
+                time.sleep(0.1)
+                if not self.pid(name):
+                    break
+            else:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            print(f"  {name}: stopped")
+        (self.run_dir / f"{name}.pid").unlink(missing_ok=True)
+
+    def manage(self, *args: str, quiet: bool = False) -> None:
+        out = subprocess.DEVNULL if quiet else None
+        proc = subprocess.run([PY, "manage.py", *args], cwd=ROOT, env=self.env, stdout=out)
+        if proc.returncode:
+            sys.exit(f"manage.py {' '.join(args)} failed (exit {proc.returncode})")
+
+    # ---- redis ---------------------------------------------------------------------
+
+    def ensure_redis(self) -> None:
+        url = urlparse(self.env["REDIS_URL"])
+        host, port = url.hostname or "127.0.0.1", url.port or 6379
+        if _redis_answers(host, port):
+            print(f"  redis: reachable at {host}:{port}")
+            return
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            sys.exit(f"Redis at {host}:{port} does not answer, and it is not local to start it.")
+        server = shutil.which("redis-server")
+        if not server:
+            sys.exit("No Redis answers at REDIS_URL and redis-server is not installed "
+                     "(apt-get install redis-server, or point REDIS_URL at one).")
+        self.start("redis", [server, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                             "--appendonly", "no", "--dir", str(self.var)])
+        _wait(lambda: _redis_answers(host, port), 10, "redis")
+
+    # ---- the whole thing -----------------------------------------------------------
+
+    def up(self, model: str, wait: float) -> None:
+        print("Starting LlamaFleet:")
+        check = subprocess.run([PY, "scripts/check_engine.py"], cwd=ROOT)
+        if check.returncode:
+            sys.exit(1)
+        self.ensure_redis()
+        self.manage("migrate", "-v0")
+        key = self.env["LLAMAFLEET_BOOTSTRAP_KEY"]
+        self.manage("create_api_key", "bootstrap", "--key", key, quiet=True)
+        self.start("web", [PY, "-m", "uvicorn", "controlplane.asgi:application", "--host",
+                           "127.0.0.1", "--port", str(self.port), "--no-access-log"])
+        self.start("worker", [PY, "-m", "celery", "-A", "controlplane", "worker", "-Q",
+                              "control,jobs", "-c", "2", "-n", f"worker-{self.port}@%h",
+                              "--loglevel", "INFO"])
+        self.start("beat", [PY, "-m", "celery", "-A", "controlplane", "beat", "--loglevel",
+                            "INFO", "-s", str(self.var / "celerybeat-schedule")])
+        self.start("agent", [PY, "-m", "workers", "agent", "--name", socket.gethostname(),
+                             "--listen", f"127.0.0.1:{self.agent_port}",
+                             "--control-plane", self.url,
+                             "--models-dir", str(self.var / "models")])
+        _wait(lambda: _http_ok(self.url + "/healthz"), 60, "web")
+        print(f"Pulling {model}:")
+        self.manage("pull_model", model, "--if-missing")
+        print(f"Deploying {model}:")
+        self.manage("deploy", model, "--wait", str(wait))
+        print(f"""
+LlamaFleet is up at {self.url}
+  API key:   {key}
+  API docs:  {self.url}/api/v1/docs
+  Admin:     {self.url}/admin/   (create a login: make superuser)
+
+Try it:
+  curl -N {self.url}/v1/chat/completions \\
+    -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
+    -d '{{"model": "{model}", "stream": true,
+         "messages": [{{"role": "user", "content": "Say hello in five words."}}]}}'
+
+Stop it with: make stop""")
+
+    def down(self) -> None:
+        print("Stopping LlamaFleet:")
+        for name in ("agent", "beat", "worker", "web", "redis"):
+            self.stop(name)
+
+    def status(self) -> None:
+        for name in ("web", "worker", "beat", "agent", "redis"):
+            pid = self.pid(name)
+            print(f"  {name:7s} {'running (pid %d)' % pid if pid else 'stopped'}")
+
+
+def _redis_answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _wait(ready, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        time.sleep(0.2)
+    sys.exit(f"{what} did not come up within {seconds:.0f} s; see its log under var/log/")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument("--model", default=os.environ.get("LLAMAFLEET_DEFAULT_MODEL", DEFAULT_MODEL))
+    parser.add_argument("--wait", type=float, default=300)
+    args = parser.parse_args()
+    var = Path(os.environ.get("LLAMAFLEET_VAR_DIR", ROOT / "var")).resolve()
+    stack = Stack(
+        var,
+        port=int(os.environ.get("PORT", "8000")),
+        agent_port=int(os.environ.get("LLAMAFLEET_AGENT_PORT", "50051")),
+    )
+    if args.command == "up":
+        stack.up(args.model, args.wait)
+    elif args.command == "down":
+        stack.down()
+    else:
+        stack.status()
+
+
+if __name__ == "__main__":
+    main()
