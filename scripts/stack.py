@@ -10,6 +10,7 @@ environment provides them. Every process writes var/log/<name>.log and var/run/<
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
@@ -161,6 +162,11 @@ class Stack:
                              "--control-plane", self.url,
                              "--models-dir", str(self.var / "models")])
         _wait(lambda: _http_ok(self.url + "/healthz"), 60, "web")
+        # Deploy only once the agent has reported: its first report after a restart is what
+        # tells the control plane that replicas it held before are gone.
+        started = time.time()
+        node_url = f"{self.url}/api/v1/nodes/{socket.gethostname()}/"
+        _wait(lambda: _heartbeat_after(node_url, key, started), 60, "agent registration")
         print(f"Pulling {model}:")
         self.manage("pull_model", model, "--if-missing")
         print(f"Deploying {model}:")
@@ -205,6 +211,18 @@ def _http_ok(url: str) -> bool:
             return resp.status == 200
     except OSError:
         return False
+
+
+def _heartbeat_after(url: str, key: str, since: float) -> bool:
+    from datetime import datetime
+
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as resp:
+            last = json.load(resp).get("last_heartbeat_at")
+    except (OSError, ValueError):
+        return False
+    return bool(last) and datetime.fromisoformat(last.replace("Z", "+00:00")).timestamp() >= since
 
 
 def _wait(ready, seconds: float, what: str) -> None:

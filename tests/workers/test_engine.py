@@ -1,0 +1,145 @@
+"""The continuous-batching engine against llama-cpp-python's own Llama, same process."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import CHAT
+from workers.engine.core import BatchEngine, Request, Sampling
+from workers.engine.errors import EngineError
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path):
+    e = BatchEngine(str(smollm2_path), context_length=512, parallel=4, threads=2, max_queue=8)
+    yield e
+    e.close()
+
+
+def chat_tokens(engine, messages=CHAT):
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    fmt = Jinja2ChatFormatter(
+        template=engine.meta("tokenizer.chat_template"),
+        eos_token=engine.eos_text(), bos_token=engine.bos_text(),
+    )
+    return engine.tokenize(fmt(messages=messages).prompt, add_bos=False, special=True)
+
+
+def run(engine, requests, cancel_after=None):
+    """Step until idle; returns texts and done events by request id."""
+    texts, done, errors = {}, {}, {}
+    for r in requests:
+        engine.submit(r)
+    steps = 0
+    while not engine.idle():
+        for ev in engine.step():
+            if ev[0] == "token":
+                texts[ev[1]] = texts.get(ev[1], "") + ev[2]
+            elif ev[0] == "done":
+                done[ev[1]] = ev
+            else:
+                errors[ev[1]] = ev
+        steps += 1
+        if cancel_after and steps == cancel_after[1]:
+            for ev in engine.cancel(cancel_after[0]):
+                done[ev[1]] = ev
+    return texts, done, errors
+
+
+GREEDY = Sampling(temperature=0)
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+    [{"role": "user", "content": "Name three colours."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "List two fruits."}],
+    [{"role": "user", "content": "Say hello."}],
+]
+
+
+def test_greedy_text_equals_llama_in_process(engine, reference_text):
+    texts, done, _ = run(engine, [Request("a", chat_tokens(engine), 48, GREEDY)])
+    assert texts["a"] == reference_text(CHAT, 48)
+    assert done["a"][2] in ("stop", "length")
+    assert done["a"][3]["prompt_tokens"] == len(chat_tokens(engine))
+
+
+def test_concurrent_sequences_each_equal_their_solo_run(engine, reference_text):
+    # More requests than slots: the extra ones wait and join between steps.
+    reqs = [Request(f"r{i}", chat_tokens(engine, p), 40, GREEDY) for i, p in enumerate(PROMPTS)]
+    texts, done, errors = run(engine, reqs)
+    assert not errors
+    for i, p in enumerate(PROMPTS):
+        assert texts[f"r{i}"] == reference_text(p, 40), p
+    assert len(engine.free_seq_ids) == engine.parallel  # every slot came back
+
+
+def test_max_tokens_ends_with_length(engine):
+    tokens = chat_tokens(engine, [{"role": "user", "content": "Write a long story."}])
+    _, done, _ = run(engine, [Request("x", tokens, 5, GREEDY)])
+    assert done["x"][2] == "length"
+    assert done["x"][3]["completion_tokens"] == 5
+
+
+def test_stop_string_is_cut_and_not_returned(engine, reference_text):
+    full = reference_text(CHAT, 48)  # "The capital of France is Paris."
+    texts, done, _ = run(engine, [Request("s", chat_tokens(engine), 48, GREEDY, stop=[" is"])])
+    assert texts.get("s", "") == full.split(" is")[0]
+    assert done["s"][2] == "stop"
+
+
+def test_prompt_over_context_is_refused_clearly(engine):
+    with pytest.raises(EngineError) as err:
+        engine.submit(Request("big", [1] * 600, 10, GREEDY))
+    assert err.value.code == "CONTEXT_LENGTH_EXCEEDED"
+    assert "600 tokens" in err.value.message and "512" in err.value.message
+
+
+def test_generation_stops_at_the_end_of_its_context(smollm2_path):
+    e = BatchEngine(str(smollm2_path), context_length=64, parallel=1, threads=2)
+    try:
+        tokens = chat_tokens(e, [{"role": "user", "content": "Write a very long story."}])
+        _, done, _ = run(e, [Request("c", tokens, 0, GREEDY)])
+        assert done["c"][2] == "length"
+        assert done["c"][3]["prompt_tokens"] + done["c"][3]["completion_tokens"] == 64
+    finally:
+        e.close()
+
+
+def test_cancel_frees_the_slot_and_others_continue(engine, reference_text):
+    long = chat_tokens(engine, [{"role": "user", "content": "Write a long story."}])
+    reqs = [Request("long", long, 200, GREEDY), Request("short", chat_tokens(engine), 48, GREEDY)]
+    texts, done, _ = run(engine, reqs, cancel_after=("long", 5))
+    assert done["long"][2] == "cancelled"
+    assert done["long"][3]["completion_tokens"] < 10
+    assert texts["short"] == reference_text(CHAT, 48)
+    assert len(engine.free_seq_ids) == engine.parallel
+
+
+def test_full_queue_is_refused(smollm2_path):
+    e = BatchEngine(str(smollm2_path), context_length=128, parallel=1, threads=2, max_queue=2)
+    try:
+        e.submit(Request("1", [1, 2, 3], 1, GREEDY))
+        e.submit(Request("2", [1, 2, 3], 1, GREEDY))
+        with pytest.raises(EngineError) as err:
+            e.submit(Request("3", [1, 2, 3], 1, GREEDY))
+        assert err.value.code == "OVERLOADED"
+    finally:
+        e.close()
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    s = Sampling(temperature=0.9, seed=1234)
+    a, _, _ = run(engine, [Request("a", chat_tokens(engine), 24, s)])
+    b, _, _ = run(engine, [Request("b", chat_tokens(engine), 24, s)])
+    assert a["a"] == b["b"]
+    assert a["a"]
+
+
+def test_corrupt_file_raises_a_clear_error(tmp_path, smollm2_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(smollm2_path.read_bytes()[:200_000])
+    with pytest.raises(EngineError) as err:
+        BatchEngine(str(bad), 128, 1, 2)
+    assert err.value.code == "BAD_MODEL_FILE"
