@@ -123,6 +123,7 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Nodes, models, deployments and OpenAI-compatible inference.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
 }
 
 CHANNEL_LAYERS = {

@@ -90,8 +90,13 @@ class Stack:
             return
         log = open(self.log_dir / f"{name}.log", "ab")
         proc = subprocess.Popen(
-            argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            argv,
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         (self.run_dir / f"{name}.pid").write_text(str(proc.pid))
         print(f"  {name}: started (pid {proc.pid}, log {self.log_dir / (name + '.log')})")
@@ -133,10 +138,26 @@ class Stack:
             sys.exit(f"Redis at {host}:{port} does not answer, and it is not local to start it.")
         server = shutil.which("redis-server")
         if not server:
-            sys.exit("No Redis answers at REDIS_URL and redis-server is not installed "
-                     "(apt-get install redis-server, or point REDIS_URL at one).")
-        self.start("redis", [server, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                             "--appendonly", "no", "--dir", str(self.var)])
+            sys.exit(
+                "No Redis answers at REDIS_URL and redis-server is not installed "
+                "(apt-get install redis-server, or point REDIS_URL at one)."
+            )
+        self.start(
+            "redis",
+            [
+                server,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.var),
+            ],
+        )
         _wait(lambda: _redis_answers(host, port), 10, "redis")
 
     # ---- the whole thing -----------------------------------------------------------
@@ -150,17 +171,71 @@ class Stack:
         self.manage("migrate", "-v0")
         key = self.env["LLAMAFLEET_BOOTSTRAP_KEY"]
         self.manage("create_api_key", "bootstrap", "--key", key, quiet=True)
-        self.start("web", [PY, "-m", "uvicorn", "controlplane.asgi:application", "--host",
-                           "127.0.0.1", "--port", str(self.port), "--no-access-log"])
-        self.start("worker", [PY, "-m", "celery", "-A", "controlplane", "worker", "-Q",
-                              "control,jobs", "-c", "2", "-n", f"worker-{self.port}@%h",
-                              "--loglevel", "INFO"])
-        self.start("beat", [PY, "-m", "celery", "-A", "controlplane", "beat", "--loglevel",
-                            "INFO", "-s", str(self.var / "celerybeat-schedule")])
-        self.start("agent", [PY, "-m", "workers", "agent", "--name", socket.gethostname(),
-                             "--listen", f"127.0.0.1:{self.agent_port}",
-                             "--control-plane", self.url,
-                             "--models-dir", str(self.var / "models")])
+        self.start(
+            "web",
+            [
+                PY,
+                "-m",
+                "uvicorn",
+                "controlplane.asgi:application",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--no-access-log",
+            ],
+        )
+        self.start(
+            "worker",
+            [
+                PY,
+                "-m",
+                "celery",
+                "-A",
+                "controlplane",
+                "worker",
+                "-Q",
+                "control,jobs",
+                "-c",
+                "2",
+                "-n",
+                f"worker-{self.port}@%h",
+                "--loglevel",
+                "INFO",
+            ],
+        )
+        self.start(
+            "beat",
+            [
+                PY,
+                "-m",
+                "celery",
+                "-A",
+                "controlplane",
+                "beat",
+                "--loglevel",
+                "INFO",
+                "-s",
+                str(self.var / "celerybeat-schedule"),
+            ],
+        )
+        self.start(
+            "agent",
+            [
+                PY,
+                "-m",
+                "workers",
+                "agent",
+                "--name",
+                socket.gethostname(),
+                "--listen",
+                f"127.0.0.1:{self.agent_port}",
+                "--control-plane",
+                self.url,
+                "--models-dir",
+                str(self.var / "models"),
+            ],
+        )
         _wait(lambda: _http_ok(self.url + "/healthz"), 60, "web")
         # Deploy only once the agent has reported: its first report after a restart is what
         # tells the control plane that replicas it held before are gone.
@@ -237,7 +312,9 @@ def _wait(ready, seconds: float, what: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("command", choices=["up", "down", "status"])
-    parser.add_argument("--model", default=os.environ.get("LLAMAFLEET_DEFAULT_MODEL", DEFAULT_MODEL))
+    parser.add_argument(
+        "--model", default=os.environ.get("LLAMAFLEET_DEFAULT_MODEL", DEFAULT_MODEL)
+    )
     parser.add_argument("--wait", type=float, default=300)
     args = parser.parse_args()
     var = Path(os.environ.get("LLAMAFLEET_VAR_DIR", ROOT / "var")).resolve()

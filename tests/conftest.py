@@ -87,14 +87,22 @@ class RunningAgent:
         from workers.agent.server import Agent, AgentSettings
 
         self.loop = asyncio.new_event_loop()
-        self.agent = Agent(
-            AgentSettings(
-                name=name, listen="127.0.0.1:0", advertise="127.0.0.1:0", control_plane="",
-                node_token=os.environ["LLAMAFLEET_NODE_TOKEN"], models_dir=str(store), threads=2,
-            )
-        )
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
+        settings = AgentSettings(
+            name=name,
+            listen="127.0.0.1:0",
+            advertise="127.0.0.1:0",
+            control_plane="",
+            node_token=os.environ["LLAMAFLEET_NODE_TOKEN"],
+            models_dir=str(store),
+            threads=2,
+        )
+
+        async def make():  # grpc.aio objects belong to the loop that creates them
+            return Agent(settings)
+
+        self.agent = self.call(make())
         self.port = self.call(self.agent.start())
         self.address = f"127.0.0.1:{self.port}"
 
@@ -106,7 +114,8 @@ class RunningAgent:
         from google.protobuf.json_format import MessageToDict
 
         payload = MessageToDict(
-            self.agent.service.status(), preserving_proto_field_name=True,
+            self.agent.service.status(),
+            preserving_proto_field_name=True,
             always_print_fields_with_no_presence=True,
         )
         payload["address"] = self.address

