@@ -36,6 +36,7 @@ DATABASES = {
     "default": env.db_url("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'llamafleet.sqlite3'}")
 }
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
     # Several processes write (web, worker, beat). IMMEDIATE transactions take the write
     # lock up front, so a writer waits (timeout) instead of failing with "database is
     # locked" when a read transaction would have to upgrade; WAL lets readers go on.
@@ -46,6 +47,9 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
             "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
         }
     )
+    # Tests run Celery workers in threads: an in-memory database's table locks would not
+    # wait, a file with the settings above does.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-db.sqlite3")}
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("LLAMAFLEET_DB_CONN_MAX_AGE", default=0)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -268,7 +268,7 @@ Stop it with: make stop""")
     def status(self) -> None:
         for name in ("web", "worker", "beat", "agent", "redis"):
             pid = self.pid(name)
-            print(f"  {name:7s} {'running (pid %d)' % pid if pid else 'stopped'}")
+            print(f"  {name:7s} {f'running (pid {pid})' if pid else 'stopped'}")
 
 
 def _redis_answers(host: str, port: int) -> bool:

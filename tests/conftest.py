@@ -165,3 +165,68 @@ def api(alice_key):
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {alice_key}")
     return client
+
+
+# ---- control-plane fixtures over a real agent ------------------------------------------------
+
+
+@pytest.fixture
+def smollm2_model(db, settings_store, smollm2_path):
+    """SmolLM2 in the catalog, ready (the pull itself is tested in tests/apps/catalog)."""
+    from apps.catalog.gguf_meta import read_metadata
+    from apps.catalog.models import CatalogModel
+    from apps.catalog.sources import KNOWN_MODELS
+
+    return CatalogModel.objects.create(
+        name=SMOLLM2,
+        source="test",
+        state=CatalogModel.State.READY,
+        sha256=KNOWN_MODELS[SMOLLM2].sha256,
+        size_bytes=smollm2_path.stat().st_size,
+        **read_metadata(smollm2_path),
+    )
+
+
+@pytest.fixture
+def registered_agent(db, agent):
+    """The real agent, registered by its own status report."""
+    from apps.nodes.services import record_heartbeat
+
+    agent.heartbeat = lambda: record_heartbeat(agent.status_payload())
+    agent.node = agent.heartbeat()
+    return agent
+
+
+@pytest.fixture
+def celery_worker_thread(transactional_db):
+    """A real Celery worker (threads) consuming the real Redis broker."""
+    from celery.contrib.testing.worker import start_worker
+
+    from controlplane.celery import app
+
+    app.loader.import_default_modules()
+    app.control.purge()
+    with start_worker(
+        app,
+        pool="threads",
+        concurrency=2,
+        perform_ping_check=False,
+        queues=["control", "jobs"],
+        loglevel="WARNING",
+        shutdown_timeout=30,
+    ) as worker:
+        yield worker
+
+
+def wait_for(predicate, timeout=60.0, interval=0.1):
+    """Poll until predicate() is truthy; returns its value or fails with the last one."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s (last value: {value!r})")

@@ -1,0 +1,125 @@
+"""Deploy, fail, redeploy, undeploy: the API, a real Celery worker on Redis, a real agent."""
+
+import os
+import signal
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from apps.deployments.models import Deployment, Replica
+from apps.nodes.models import Node
+from apps.nodes.services import sweep_stale_nodes
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def state_of(name):
+    return Deployment.objects.get(name=name).state
+
+
+def test_deploy_kill_redeploy_undeploy(api, smollm2_model, registered_agent, celery_worker_thread):
+    agent = registered_agent
+    resp = api.post(
+        "/api/v1/deployments/",
+        {"model": "smollm2-135m-instruct", "context_length": 512, "parallel": 2},
+        format="json",
+    )
+    assert resp.status_code == 202, resp.content
+    wait_for(lambda: state_of("smollm2-135m-instruct") == "ready")
+    replica = Replica.objects.get(state="ready")
+    assert replica.node.name == "node-a" and replica.memory_bytes > 50e6
+
+    # The engine dies: the agent survives, its next report marks the replica and deployment failed.
+    os.kill(agent.engine_pid(str(replica.pk)), signal.SIGKILL)
+    wait_for(lambda: agent.agent.service.replicas[str(replica.pk)].engine.state == "failed")
+    agent.heartbeat()
+    d = Deployment.objects.get()
+    assert d.state == "failed" and "SIGKILL" in d.error and "node-a" in d.error
+    body = api.get("/api/v1/deployments/smollm2-135m-instruct/").json()
+    assert body["replica_set"][0]["state"] == "failed"
+    assert any("SIGKILL" in e["message"] for e in body["recent_events"])
+
+    # Redeploy: a new replica replaces the failed one and serves.
+    assert api.post("/api/v1/deployments/smollm2-135m-instruct/redeploy/").status_code == 202
+    wait_for(lambda: state_of("smollm2-135m-instruct") == "ready")
+    live = Replica.objects.get(state="ready")
+    assert live.pk != replica.pk
+    wait_for(lambda: str(replica.pk) not in agent.agent.service.replicas)  # dead one cleared
+
+    # Undeploy frees the memory on the node.
+    assert api.post("/api/v1/deployments/smollm2-135m-instruct/undeploy/").status_code == 202
+    wait_for(lambda: state_of("smollm2-135m-instruct") == "stopped")
+    assert not agent.agent.service.replicas
+    assert api.delete("/api/v1/deployments/smollm2-135m-instruct/").status_code == 204
+
+
+def test_without_nodes_it_waits_with_a_reason_then_deploys(
+    api, smollm2_model, agent, celery_worker_thread
+):
+    from apps.deployments.tasks import reconcile_all
+    from apps.nodes.services import record_heartbeat
+
+    api.post(
+        "/api/v1/deployments/",
+        {"model": "smollm2-135m-instruct", "context_length": 256, "parallel": 1},
+        format="json",
+    )
+    d = wait_for(lambda: Deployment.objects.filter(error__contains="no node is ready").first())
+    assert d.state == "pending"
+    record_heartbeat(agent.status_payload())
+    reconcile_all.delay()
+    wait_for(lambda: state_of("smollm2-135m-instruct") == "ready")
+
+
+def test_a_node_that_goes_quiet_fails_its_replicas(
+    api, smollm2_model, registered_agent, celery_worker_thread, settings
+):
+    api.post(
+        "/api/v1/deployments/",
+        {"model": "smollm2-135m-instruct", "context_length": 256, "parallel": 1},
+        format="json",
+    )
+    wait_for(lambda: state_of("smollm2-135m-instruct") == "ready")
+    Node.objects.update(last_heartbeat_at=timezone.now() - timedelta(minutes=5))
+    assert sweep_stale_nodes() == ["node-a"]
+    d = Deployment.objects.get()
+    assert d.state == "failed" and "stopped sending heartbeats" in d.error
+
+
+def test_load_failure_says_which_node_and_why(
+    api, smollm2_model, registered_agent, celery_worker_thread
+):
+    # The catalog says one thing, the file on the node is corrupt.
+    path = smollm2_model.path
+    good = path.read_bytes()
+    path.unlink()  # the store file is a hard link: replace it, do not write through it
+    path.write_bytes(good[:4_000_000])
+    smollm2_model.size_bytes = 4_000_000  # same size: the agent loads it instead of fetching
+    smollm2_model.save()
+    try:
+        api.post(
+            "/api/v1/deployments/",
+            {"model": "smollm2-135m-instruct", "context_length": 256, "parallel": 1},
+            format="json",
+        )
+        wait_for(lambda: state_of("smollm2-135m-instruct") == "failed")
+        d = Deployment.objects.get()
+        assert "node-a" in d.error and "could not load" in d.error
+    finally:
+        path.unlink()
+        path.write_bytes(good)
+
+
+def test_bad_deployment_requests_are_refused(api, smollm2_model):
+    post = lambda body: api.post("/api/v1/deployments/", body, format="json")  # noqa: E731
+    assert post({"model": "nope"}).status_code == 404
+    r = post({"model": "smollm2-135m-instruct", "context_length": 100000})
+    assert r.status_code == 400 and "8192" in r.json()["detail"]
+    assert post({"model": "smollm2-135m-instruct", "replicas": 0}).status_code == 400
+    assert post({"model": "smollm2-135m-instruct", "name": "x"}).status_code == 202
+    assert post({"model": "smollm2-135m-instruct", "name": "x"}).status_code == 409
+    smollm2_model.state = "pulling"
+    smollm2_model.save()
+    assert post({"model": "smollm2-135m-instruct", "name": "y"}).status_code == 409
