@@ -230,3 +230,25 @@ def wait_for(predicate, timeout=60.0, interval=0.1):
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout} s (last value: {value!r})")
+
+
+@pytest.fixture
+def deployed(transactional_db, smollm2_model, registered_agent):
+    """A ready deployment of SmolLM2 on the real agent (loaded without a Celery worker)."""
+    from apps.deployments import services
+    from apps.deployments.models import Deployment, Replica
+
+    d = Deployment.objects.create(
+        name=SMOLLM2,
+        model=smollm2_model,
+        replicas=1,
+        context_length=512,
+        parallel=4,
+        state=Deployment.State.DEPLOYING,
+    )
+    replica = Replica.objects.create(deployment=d, node=registered_agent.node)
+    services.load(str(replica.pk))
+    d.refresh_from_db()
+    assert d.state == Deployment.State.READY, d.error
+    registered_agent.replica_id = str(replica.pk)
+    return registered_agent
