@@ -120,7 +120,10 @@ async def test_errors_have_openais_shape(deployed, alice_key):
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
         assert err["code"] == code, body
     resp = await AsyncClient().post(
-        "/v1/chat/completions", "{not json", content_type="application/json", headers=auth(alice_key)
+        "/v1/chat/completions",
+        "{not json",
+        content_type="application/json",
+        headers=auth(alice_key),
     )
     assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]["message"]
 

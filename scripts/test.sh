@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The whole check: lint, Django checks, migrations, gRPC stubs, then the test suite.
+# Uses a Redis at REDIS_URL (default database 15 of 127.0.0.1:6379), starting a local one
+# if none answers; DATABASE_URL selects PostgreSQL, SQLite otherwise.
+set -euo pipefail
+PY=${1:-.venv/bin/python}
+BIN=$(dirname "$PY")
+cd "$(dirname "$0")/.."
+export LLAMAFLEET_SECRET_KEY=${LLAMAFLEET_SECRET_KEY:-test-secret-key-not-for-production}
+export LLAMAFLEET_NODE_TOKEN=${LLAMAFLEET_NODE_TOKEN:-test-node-token}
+export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/15}
+export LLAMAFLEET_VAR_DIR=${LLAMAFLEET_VAR_DIR:-$PWD/var/test}
+
+redis_host_port=$(echo "$REDIS_URL" | sed -E 's#redis://([^:/]+):?([0-9]*).*#\1 \2#')
+read -r rhost rport <<<"$redis_host_port"
+rport=${rport:-6379}
+if ! (exec 3<>"/dev/tcp/$rhost/$rport" && printf 'PING\r\n' >&3 && head -c5 <&3 | grep -q PONG) 2>/dev/null; then
+  echo "Starting a local Redis on $rhost:$rport for the tests"
+  mkdir -p var
+  redis-server --daemonize yes --bind 127.0.0.1 --port "$rport" --save "" --appendonly no \
+    --dir "$PWD/var" --pidfile "$PWD/var/redis-test.pid" --logfile "$PWD/var/redis-test.log"
+  sleep 0.5
+fi
+
+echo "== lint"
+"$BIN/ruff" check .
+"$BIN/ruff" format --check .
+echo "== django checks"
+"$PY" manage.py check --fail-level WARNING
+"$PY" manage.py makemigrations --check --dry-run
+echo "== gRPC stubs"
+scripts/check_proto.sh "$PY"
+echo "== engine build"
+"$PY" scripts/check_engine.py
+echo "== tests"
+exec "$PY" -m pytest "${@:2}"

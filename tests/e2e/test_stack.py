@@ -1,0 +1,128 @@
+"""The README's promise, end to end: `scripts/stack.py up` on a fresh var directory brings up
+the whole stack as separate processes, and the OpenAI SDK streams an answer from it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import CHAT, ROOT, SMOLLM2
+
+pytestmark = pytest.mark.e2e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, smollm2_path):
+    var = tmp_path_factory.mktemp("stack-var")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMAFLEET_", "DJANGO_"))}
+    env |= {
+        "LLAMAFLEET_VAR_DIR": str(var),
+        "PORT": str(free_port()),
+        "LLAMAFLEET_AGENT_PORT": str(free_port()),
+        "LLAMAFLEET_BOOTSTRAP_KEY": "lf-e2e-bootstrap-key-000000000000",
+        "REDIS_URL": os.environ["REDIS_URL"],
+        "LLAMAFLEET_HEARTBEAT_SECONDS": "1",
+    }
+    env.pop("DATABASE_URL", None)  # the embedded default: SQLite under var/
+    up = subprocess.run(
+        [sys.executable, "scripts/stack.py", "up", "--wait", "120"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "LlamaFleet is up at" in up.stdout and env["LLAMAFLEET_BOOTSTRAP_KEY"] in up.stdout
+        yield {
+            "url": f"http://127.0.0.1:{env['PORT']}",
+            "key": env["LLAMAFLEET_BOOTSTRAP_KEY"],
+            "var": Path(var),
+            "env": env,
+        }
+    finally:
+        down = subprocess.run(
+            [sys.executable, "scripts/stack.py", "down"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert down.returncode == 0, down.stderr
+        for name in ("web", "worker", "beat", "agent"):
+            assert not (Path(var) / "run" / f"{name}.pid").exists()
+
+
+def api(stack, method, path, **kw):
+    return httpx.request(
+        method,
+        stack["url"] + path,
+        headers={"Authorization": f"Bearer {stack['key']}"},
+        timeout=60,
+        **kw,
+    )
+
+
+def test_openai_sdk_streams_the_same_text_as_llama_in_process(stack, reference_text):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["key"])
+    assert [m.id for m in client.models.list()] == [SMOLLM2]
+    stream = client.chat.completions.create(
+        model=SMOLLM2, messages=CHAT, temperature=0, max_tokens=48, stream=True
+    )
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len(pieces) > 3
+    assert "".join(pieces) == reference_text(CHAT, 48)
+
+
+def test_the_model_came_from_its_package_with_its_facts(stack):
+    model = api(stack, "GET", f"/api/v1/models/{SMOLLM2}/").json()
+    assert model["state"] == "ready" and model["n_layers"] == 30
+    assert model["latest_pull"]["state"] == "done"
+    nodes = api(stack, "GET", "/api/v1/nodes/").json()["results"]
+    assert len(nodes) == 1 and nodes[0]["state"] == "ready"
+
+
+def test_killing_the_engine_fails_the_deployment_and_redeploy_recovers(stack):
+    dep = f"/api/v1/deployments/{SMOLLM2}/"
+    node = api(stack, "GET", "/api/v1/nodes/").json()["results"][0]
+    [replica] = [r for r in node["reported_replicas"] if r["state"] == "ready"]
+    os.kill(replica["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while api(stack, "GET", dep).json()["state"] != "failed":
+        assert time.monotonic() < deadline, api(stack, "GET", dep).json()
+        time.sleep(0.3)
+    body = api(stack, "GET", dep).json()
+    assert "SIGKILL" in body["error"]
+    agent_pid = int((stack["var"] / "run" / "agent.pid").read_text())
+    os.kill(agent_pid, 0)  # the agent is still up
+    assert api(stack, "POST", dep + "redeploy/").status_code == 202
+    deadline = time.monotonic() + 60
+    while api(stack, "GET", dep).json()["state"] != "ready":
+        assert time.monotonic() < deadline, api(stack, "GET", dep).json()
+        time.sleep(0.3)
+    resp = api(
+        stack,
+        "POST",
+        "/v1/chat/completions",
+        json={"model": SMOLLM2, "messages": CHAT, "max_tokens": 8},
+    )
+    assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"]
