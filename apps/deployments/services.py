@@ -302,6 +302,7 @@ def load(replica_id: str) -> None:
         + reverse("agent-model-file", kwargs={"sha256": model.sha256}),
         context_length=d.context_length,
         parallel=d.parallel,
+        chat_template=model.chat_template,
     )
     try:
         resp = agent_client.stub(node.address).LoadModel(

@@ -125,6 +125,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             context_length=request.context_length or 2048,
             parallel=request.parallel or 1,
             threads=request.threads or self.threads,
+            chat_template=request.chat_template,
         )
         engine = EngineProcess(config, on_state_change=lambda _e: self._on_change())
         replica = Replica(request, engine)

@@ -39,6 +39,7 @@ class EngineConfig:
     parallel: int
     threads: int
     max_queue: int = 64
+    chat_template: str = ""  # used when the file has none
 
 
 # ---- child side ----------------------------------------------------------------------
@@ -93,7 +94,7 @@ def child_main(conn, config: EngineConfig) -> None:
     except Exception as exc:
         conn.send(("load_error", "ENGINE_FAILED", f"{type(exc).__name__}: {exc}"))
         return
-    template = engine.meta("tokenizer.chat_template")
+    template = engine.meta("tokenizer.chat_template") or config.chat_template
     formatter = None
     if template:
         formatter = Jinja2ChatFormatter(

@@ -81,3 +81,25 @@ def test_unknown_model_and_concurrent_pull_are_refused(api):
     resp = api.post("/api/v1/models/pull/", {"name": "smollm2-135m-instruct"}, format="json")
     assert resp.status_code == 409
     assert api.get("/api/v1/models/known/").json()[0]["name"] == "gemma-3-270m"
+
+
+def test_gemma_fallback_template_renders_gemmas_turns():
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    fmt = Jinja2ChatFormatter(
+        template=sources.GEMMA_CHAT_TEMPLATE, bos_token="<bos>", eos_token="<eos>"
+    )
+    prompt = fmt(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Capital of France?"},
+        ]
+    ).prompt
+    assert prompt == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nCapital of France?<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
