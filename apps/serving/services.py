@@ -207,11 +207,11 @@ async def start_generation(params: GenerationParams) -> Generation:
     Failures before the first event are retried on other replicas; they surface here as
     ServingError so that an HTTP caller still gets a proper status code.
     """
-    if not await CatalogModel.objects.filter(name=params.model).aexists():
+    targets = await ready_targets(params.model)  # the one query on the hot path
+    if not targets and not await CatalogModel.objects.filter(name=params.model).aexists():
         raise ServingError(
             404, f"The model '{params.model}' does not exist", code="model_not_found", param="model"
         )
-    targets = await ready_targets(params.model)
     if not targets:
         raise ServingError(
             503,
