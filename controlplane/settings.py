@@ -11,9 +11,8 @@ import environ
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(environ.Env().str("LLAMAFLEET_VAR_DIR", default=str(BASE_DIR / "var")))
-
 env = environ.Env()
+VAR_DIR = Path(env.str("LLAMAFLEET_VAR_DIR", default=str(BASE_DIR / "var")))
 
 
 def _required(name: str) -> str:

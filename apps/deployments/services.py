@@ -250,13 +250,12 @@ def refresh_state(d: Deployment) -> str:
         state = D.DEPLOYING
     elif counts.get(S.FAILED, 0):
         state = D.FAILED
-        last = d.replica_set.filter(state=S.FAILED).order_by("-updated_at").first()
-        error = last.error if last else error
     else:
         state = D.PENDING  # waiting for capacity
-    if state == D.DEGRADED:
+    if state in (D.DEGRADED, D.FAILED):
+        # The deployment's error is that of its most recently failed replica.
         last = d.replica_set.filter(state=S.FAILED).order_by("-updated_at").first()
-        error = last.error if last else ""
+        error = last.error if last else error
     if state != d.state or error != d.error:
         Deployment.objects.filter(pk=d.pk).update(state=state, error=error)
         if state != d.state:
@@ -343,8 +342,7 @@ def free(replica_id: str) -> None:
     r = Replica.objects.select_related("node", "deployment").filter(pk=replica_id).first()
     if r is None or r.state == S.STOPPED:
         return
-    if r.state not in (S.STOPPING,):
-        Replica.objects.filter(pk=r.pk).update(state=S.STOPPING)
+    Replica.objects.filter(pk=r.pk).update(state=S.STOPPING)
     error = free_remote(r.node, str(r.pk))
     Replica.objects.filter(pk=r.pk, state=S.STOPPING).update(state=S.STOPPED)
     msg = f"replica on {r.node.name} stopped" + (f" (agent not reached: {error})" if error else "")

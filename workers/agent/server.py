@@ -121,9 +121,7 @@ class Agent:
         )
         self.server = grpc.aio.server(interceptors=[TokenInterceptor(settings.node_token)])
         agent_pb2_grpc.add_NodeAgentServicer_to_server(self.service, self.server)
-        self.health = (
-            health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-        )
+        self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
         self._tasks: list[asyncio.Task] = []
@@ -138,7 +136,7 @@ class Agent:
             raise RuntimeError(f"cannot listen on {self.settings.listen}")
         await self.server.start()
         for name in ("", SERVICE_NAME):
-            await _set_health(self.health, name, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.settings.advertise.endswith(":0"):
             self.settings.advertise = self.settings.advertise[:-1] + str(self.port)
         if self.settings.control_plane:
@@ -149,17 +147,11 @@ class Agent:
 
     async def stop(self) -> None:
         for name in ("", SERVICE_NAME):
-            await _set_health(self.health, name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         for task in self._tasks:
             task.cancel()
         await self.server.stop(grace=2)
         await self.service.shutdown()
-
-
-async def _set_health(servicer, name: str, status) -> None:
-    result = servicer.set(name, status)
-    if asyncio.iscoroutine(result):
-        await result
 
 
 async def serve(settings: AgentSettings) -> None:

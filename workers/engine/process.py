@@ -192,7 +192,6 @@ class EngineProcess:
         self._ready: asyncio.Future | None = None
         self._proc = None
         self._conn = None
-        self._send_lock = threading.Lock()
         self._stopping = False
 
     @property
@@ -292,8 +291,8 @@ class EngineProcess:
             self._on_state_change(self)
 
     def _send(self, msg: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(msg)
+        # Only coroutines on the agent's loop send, so sends never interleave.
+        self._conn.send(msg)
 
     def _require_ready(self) -> None:
         if self.state != "ready":

