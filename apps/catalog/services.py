@@ -13,10 +13,10 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from apps.accounts.errors import Conflict, DomainError, NotFound
 from apps.catalog import sources
 from apps.catalog.gguf_meta import BadGGUF, read_metadata
 from apps.catalog.models import CatalogModel, PullJob, store_path
+from controlplane.errors import Conflict, DomainError, NotFound
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from django.db.models import Count, Q
 from django.urls import reverse
 from django.utils import timezone
 
-from apps.accounts.errors import Conflict, DomainError, NotFound
 from apps.catalog.models import CatalogModel
 from apps.deployments.models import Deployment, DeploymentEvent, Replica
 from apps.nodes import agent_client
 from apps.nodes.models import Node
+from controlplane.errors import Conflict, DomainError, NotFound
 
 log = logging.getLogger(__name__)
 S = Replica.State

@@ -9,9 +9,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from apps.accounts.errors import DomainError
 from apps.nodes.models import Node
 from apps.nodes.signals import node_lost, node_reported
+from controlplane.errors import DomainError
 
 log = logging.getLogger(__name__)
 

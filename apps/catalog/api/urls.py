@@ -1,8 +1,11 @@
+from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from apps.catalog.api.views import CatalogModelViewSet, PullJobViewSet
+from apps.catalog.api.views import AgentModelFileView, CatalogModelViewSet, PullJobViewSet
 
 router = SimpleRouter()
 router.register("models", CatalogModelViewSet)
 router.register("pulls", PullJobViewSet)
-urlpatterns = router.urls
+urlpatterns = router.urls + [
+    path("agent/models/<str:sha256>/file", AgentModelFileView.as_view(), name="agent-model-file"),
+]

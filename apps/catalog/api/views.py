@@ -1,7 +1,9 @@
-from drf_spectacular.utils import extend_schema
+from django.http import FileResponse
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from apps.catalog import services, sources
 from apps.catalog.api.serializers import (
@@ -10,6 +12,8 @@ from apps.catalog.api.serializers import (
     PullRequestSerializer,
 )
 from apps.catalog.models import CatalogModel, PullJob
+from apps.nodes.api.permissions import HasNodeToken
+from controlplane.errors import NotFound
 
 
 class CatalogModelViewSet(
@@ -51,3 +55,17 @@ class PullJobViewSet(viewsets.ReadOnlyModelViewSet):
 
     queryset = PullJob.objects.select_related("model")
     serializer_class = PullJobSerializer
+
+
+class AgentModelFileView(APIView):
+    """Agents download model files here, by sha256 (node token, not an API key)."""
+
+    authentication_classes = []
+    permission_classes = [HasNodeToken]
+
+    @extend_schema(responses={200: OpenApiResponse(description="the GGUF file")})
+    def get(self, request, sha256):
+        model = CatalogModel.objects.filter(sha256=sha256, state=CatalogModel.State.READY).first()
+        if model is None or not model.path.exists():
+            raise NotFound(f"no ready model with sha256 {sha256}")
+        return FileResponse(open(model.path, "rb"), content_type="application/octet-stream")

@@ -1,10 +1,8 @@
-from django.http import FileResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import viewsets
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from apps.accounts.errors import NotFound
 from apps.nodes import services
 from apps.nodes.api.permissions import HasNodeToken
 from apps.nodes.api.serializers import NodeSerializer
@@ -29,19 +27,3 @@ class AgentHeartbeatView(APIView):
     def post(self, request):
         node = services.record_heartbeat(request.data)
         return Response({"node": node.name, "state": node.state})
-
-
-class AgentModelFileView(APIView):
-    """Agents download model files here, by sha256 (node token, not an API key)."""
-
-    authentication_classes = []
-    permission_classes = [HasNodeToken]
-
-    @extend_schema(responses={200: OpenApiResponse(description="the GGUF file")})
-    def get(self, request, sha256):
-        from apps.catalog.models import CatalogModel
-
-        model = CatalogModel.objects.filter(sha256=sha256, state=CatalogModel.State.READY).first()
-        if model is None or not model.path.exists():
-            raise NotFound(f"no ready model with sha256 {sha256}")
-        return FileResponse(open(model.path, "rb"), content_type="application/octet-stream")

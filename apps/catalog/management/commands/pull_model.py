@@ -2,9 +2,9 @@
 
 from django.core.management.base import BaseCommand, CommandError
 
-from apps.accounts.errors import DomainError
 from apps.catalog import services, sources
 from apps.catalog.models import CatalogModel, PullJob
+from controlplane.errors import DomainError
 
 
 class Command(BaseCommand):

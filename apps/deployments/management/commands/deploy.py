@@ -4,9 +4,9 @@ import time
 
 from django.core.management.base import BaseCommand, CommandError
 
-from apps.accounts.errors import DomainError
 from apps.deployments import services
 from apps.deployments.models import Deployment
+from controlplane.errors import DomainError
 
 
 class Command(BaseCommand):
