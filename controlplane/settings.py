@@ -160,6 +160,14 @@ PUBLIC_URL = env.str("LLAMAFLEET_PUBLIC_URL", default="http://127.0.0.1:8000")
 DEFAULT_CONTEXT_LENGTH = env.int("LLAMAFLEET_DEFAULT_CONTEXT", default=2048)
 DEFAULT_PARALLEL = env.int("LLAMAFLEET_DEFAULT_PARALLEL", default=4)
 
+# Serving.
+#: Generations one control-plane process streams at once; beyond it requests get a fast 429.
+MAX_IN_FLIGHT = env.int("LLAMAFLEET_MAX_IN_FLIGHT", default=256)
+#: Longest a generation may run, queueing included, before it ends with a timeout error.
+REQUEST_TIMEOUT_SECONDS = env.float("LLAMAFLEET_REQUEST_TIMEOUT", default=600.0)
+#: Times one stream may move to another replica after its replica fails mid-flight.
+MAX_MIGRATIONS = env.int("LLAMAFLEET_MAX_MIGRATIONS", default=2)
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

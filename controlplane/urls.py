@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from apps.serving.views import health
+from apps.serving.views import health, metrics
 
 api_v1 = [
     path("", include("apps.accounts.api.urls")),
@@ -15,6 +15,7 @@ api_v1 = [
 
 urlpatterns = [
     path("healthz", health, name="health"),
+    path("metrics", metrics, name="metrics"),
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),
     path("v1/", include("apps.serving.urls")),

@@ -31,10 +31,11 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 class Stack:
     """Paths and environment of one stack instance (one var/ directory)."""
 
-    def __init__(self, var: Path, port: int, agent_port: int):
+    def __init__(self, var: Path, port: int, agent_port: int, metrics_port: int = 9464):
         self.var = var
         self.port = port
         self.agent_port = agent_port
+        self.metrics_port = metrics_port
         self.run_dir = var / "run"
         self.log_dir = var / "log"
         for d in (self.run_dir, self.log_dir):
@@ -234,6 +235,8 @@ class Stack:
                 self.url,
                 "--models-dir",
                 str(self.var / "models"),
+                "--metrics-listen",
+                f"127.0.0.1:{self.metrics_port}",
             ],
         )
         _wait(lambda: _http_ok(self.url + "/healthz"), 60, "web")
@@ -322,6 +325,7 @@ def main() -> None:
         var,
         port=int(os.environ.get("PORT", "8000")),
         agent_port=int(os.environ.get("LLAMAFLEET_AGENT_PORT", "50051")),
+        metrics_port=int(os.environ.get("LLAMAFLEET_AGENT_METRICS_PORT", "9464")),
     )
     if args.command == "up":
         stack.up(args.model, args.wait)

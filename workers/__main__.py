@@ -59,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         default=float(_env("LLAMAFLEET_HEARTBEAT_SECONDS", "5")),
         help="seconds between heartbeats (LLAMAFLEET_HEARTBEAT_SECONDS)",
     )
+    a.add_argument(
+        "--metrics-listen",
+        default=_env("LLAMAFLEET_AGENT_METRICS", "127.0.0.1:9464"),
+        help="address of GET /metrics, node token as Bearer; empty for none "
+        "(LLAMAFLEET_AGENT_METRICS; default 127.0.0.1:9464)",
+    )
     args = parser.parse_args(argv)
 
     token = _env("LLAMAFLEET_NODE_TOKEN")
@@ -80,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         models_dir=args.models_dir,
         threads=args.threads,
         heartbeat_seconds=args.heartbeat,
+        metrics_listen=args.metrics_listen,
     )
     asyncio.run(serve(settings))
     return 0

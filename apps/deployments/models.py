@@ -18,6 +18,10 @@ class Deployment(models.Model):
         STOPPING = "stopping"
         STOPPED = "stopped"
 
+    class Routing(models.TextChoices):
+        ROUND_ROBIN = "round_robin"
+        LEAST_CONNECTIONS = "least_connections"
+
     name = models.SlugField(max_length=100, unique=True)
     model = models.ForeignKey(CatalogModel, on_delete=models.PROTECT, related_name="deployments")
     replicas = models.PositiveIntegerField(default=1, help_text="Desired number of replicas.")
@@ -25,6 +29,12 @@ class Deployment(models.Model):
         help_text="Context window of one sequence, in tokens."
     )
     parallel = models.PositiveIntegerField(help_text="Sequences decoded together per replica.")
+    routing_policy = models.CharField(
+        max_length=20,
+        choices=Routing.choices,
+        default=Routing.LEAST_CONNECTIONS,
+        help_text="How requests pick among ready replicas; counts are shared through Redis.",
+    )
     state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)

@@ -81,6 +81,7 @@ def do_create(
     replicas: int = 1,
     context_length: int | None = None,
     parallel: int | None = None,
+    routing_policy: str = Deployment.Routing.LEAST_CONNECTIONS,
 ) -> Deployment:
     """Record a deployment and start reconciling it."""
     from apps.deployments.tasks import reconcile_deployment
@@ -95,6 +96,7 @@ def do_create(
             replicas=replicas,
             context_length=context_length,
             parallel=parallel,
+            routing_policy=routing_policy,
         )
         record_event(
             d,
@@ -167,7 +169,7 @@ def place(d: Deployment, count: int) -> tuple[list[Node], str]:
     """
     need = estimate_memory_bytes(d.model, d.context_length, d.parallel)
     nodes = list(
-        Node.objects.filter(state=Node.State.READY).annotate(
+        Node.objects.filter(state=Node.State.READY, draining=False).annotate(
             mine=Count(
                 "replicas", filter=Q(replicas__deployment=d, replicas__state__in=Replica.LIVE)
             ),
@@ -175,7 +177,7 @@ def place(d: Deployment, count: int) -> tuple[list[Node], str]:
         )
     )
     if not nodes:
-        return [], "no node is ready (is an agent running and registered?)"
+        return [], "no node is ready and open (is an agent running and registered, not draining?)"
     # Memory an agent has not reported as used yet: replicas still on their way.
     free = {n.pk: n.memory_available_bytes - n.booked * need for n in nodes}
     chosen: list[Node] = []

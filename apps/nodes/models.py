@@ -11,6 +11,10 @@ class Node(models.Model):
     name = models.CharField(max_length=100, unique=True)
     address = models.CharField(max_length=255, help_text="host:port of the agent's gRPC server")
     state = models.CharField(max_length=20, choices=State.choices, default=State.READY)
+    draining = models.BooleanField(
+        default=False,
+        help_text="Takes no new requests or replicas; requests in flight finish.",
+    )
     version = models.CharField(max_length=40, blank=True)
     memory_total_bytes = models.BigIntegerField(default=0)
     memory_available_bytes = models.BigIntegerField(default=0)

@@ -79,3 +79,11 @@ def sweep_stale_nodes() -> list[str]:
                 node_lost.send(sender=Node, node=node, since=node.last_heartbeat_at)
                 lost.append(node.name)
     return lost
+
+
+def set_draining(node: Node, draining: bool) -> Node:
+    """Open or close a node to new work; what runs there is left alone."""
+    Node.objects.filter(pk=node.pk).update(draining=draining)
+    node.draining = draining
+    log.info("node %s %s", node.name, "draining" if draining else "open")
+    return node

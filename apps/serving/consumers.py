@@ -13,11 +13,12 @@ Sampling fields are those of the OpenAI API. Closing the socket cancels what is 
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from apps.serving import openai
-from apps.serving.services import Finished, Piece, ServingError, start_generation
+from apps.serving.services import Finished, Piece, ServingError, generate
 
 MAX_CONCURRENT = 16
 
@@ -76,36 +77,8 @@ class GenerationConsumer(AsyncJsonWebsocketConsumer):
 
     async def _run(self, gid: str, params) -> None:
         try:
-            gen = await start_generation(params)
-            await self.send_json(
-                {
-                    "type": "start",
-                    "id": gid,
-                    "node": gen.target.node_name,
-                    "replica": gen.target.replica_id,
-                }
-            )
-            async for ev in gen.events:
-                if isinstance(ev, Piece):
-                    await self.send_json(
-                        {"type": "token", "id": gid, "text": ev.text, "index": ev.index}
-                    )
-                elif isinstance(ev, Finished):
-                    await self.send_json(
-                        {
-                            "type": "done",
-                            "id": gid,
-                            "finish_reason": ev.finish_reason,
-                            "usage": {
-                                "prompt_tokens": ev.prompt_tokens,
-                                "completion_tokens": ev.completion_tokens,
-                            },
-                            "timings": {
-                                "time_to_first_token": ev.time_to_first_token,
-                                "decode_seconds": ev.decode_seconds,
-                            },
-                        }
-                    )
+            async with aclosing(generate(params)) as events:
+                await self._relay(gid, events)
         except ServingError as err:
             await self._error(gid, err)
         except asyncio.CancelledError:
@@ -116,6 +89,39 @@ class GenerationConsumer(AsyncJsonWebsocketConsumer):
                 pass
         finally:
             self.running.pop(gid, None)
+
+    async def _relay(self, gid: str, events) -> None:
+        gen = await anext(events)
+        await self.send_json(
+            {
+                "type": "start",
+                "id": gid,
+                "node": gen.target.node_name,
+                "replica": gen.target.replica_id,
+            }
+        )
+        async for ev in events:
+            if isinstance(ev, Piece):
+                await self.send_json(
+                    {"type": "token", "id": gid, "text": ev.text, "index": ev.index}
+                )
+            elif isinstance(ev, Finished):
+                await self.send_json(
+                    {
+                        "type": "done",
+                        "id": gid,
+                        "finish_reason": ev.finish_reason,
+                        "usage": {
+                            "prompt_tokens": ev.prompt_tokens,
+                            "completion_tokens": ev.completion_tokens,
+                        },
+                        "timings": {
+                            "time_to_first_token": ev.time_to_first_token,
+                            "decode_seconds": ev.decode_seconds,
+                        },
+                        "migrations": ev.migrations,
+                    }
+                )
 
     async def _error(self, gid: str, err: ServingError) -> None:
         await self.send_json({"type": "error", "id": gid} | err.body())

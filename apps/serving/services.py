@@ -1,28 +1,39 @@
 """Routing a generation to a replica and streaming it back; shared by HTTP and websockets.
 
-The hot path: one indexed query for ready replicas, then a gRPC stream straight from this
-process to the agent. Celery is never on it.
+The hot path: one indexed query for ready replicas, one Redis round trip to pick one, then a
+gRPC stream straight from this process to the agent. Celery is never on it.
+
+A replica that fails before the first token is skipped for the next one. One that fails
+after tokens were sent is replaced mid-stream: the prompt plus the tokens generated so far
+go to another replica, which continues where the first stopped, so the client sees one
+stream with nothing lost or repeated.
 """
 
 from __future__ import annotations
 
-import itertools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
+from django.conf import settings
 from llamafleet.agent.v1 import agent_pb2 as pb
 
 from apps.catalog.models import CatalogModel
 from apps.deployments.models import Deployment, Replica
 from apps.nodes import agent_client
 from apps.nodes.models import Node
+from apps.serving import balancer, metrics
 
-#: Attempts on other replicas when one fails before sending a token.
+log = logging.getLogger(__name__)
+
+#: Replicas tried for one request before its first token.
 MAX_ATTEMPTS = 3
-_round_robin = itertools.count()
+#: Generations streaming from this process (bounded by settings.MAX_IN_FLIGHT).
+_in_flight = 0
 
 _FINISH = {
     pb.FINISH_REASON_STOP: "stop",
@@ -79,7 +90,9 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     repeat_penalty: float = 1.0
 
-    def to_request(self, replica_id: str, request_id: str) -> pb.InferenceRequest:
+    def to_request(
+        self, replica_id: str, request_id: str, resume: pb.Continuation | None = None
+    ) -> pb.InferenceRequest:
         return pb.InferenceRequest(
             replica_id=replica_id,
             request_id=request_id,
@@ -95,6 +108,7 @@ class GenerationParams:
                 repeat_penalty=self.repeat_penalty,
             ),
             stop=self.stop,
+            resume=resume,
         )
 
 
@@ -106,6 +120,7 @@ class Target:
     node_name: str
     address: str
     deployment: str
+    policy: str = balancer.LEAST_CONNECTIONS
 
 
 @dataclass
@@ -125,34 +140,29 @@ class Finished:
     completion_tokens: int
     time_to_first_token: float
     decode_seconds: float
+    migrations: int = 0
 
 
-@dataclass
-class Generation:
-    """A running generation: where it runs and its events."""
-
-    id: str
-    target: Target | None = None
-    events: AsyncIterator[Piece | Finished] | None = None
-
-
-async def ready_targets(model_name: str) -> list[Target]:
-    """Ready replicas on ready nodes serving the model, in round-robin order."""
+async def ready_targets(model_name: str, exclude: set[str] = frozenset()) -> list[Target]:
+    """Ready replicas on ready, open nodes serving the model, in the order to try them."""
     rows = [
-        Target(str(pk), node, address, dep)
-        async for pk, node, address, dep in Replica.objects.filter(
+        Target(str(pk), node, address, dep, policy)
+        async for pk, node, address, dep, policy in Replica.objects.filter(
             state=Replica.State.READY,
             node__state=Node.State.READY,
+            node__draining=False,
             deployment__model__name=model_name,
             deployment__state__in=[Deployment.State.READY, Deployment.State.DEGRADED],
         )
         .order_by("pk")
-        .values_list("pk", "node__name", "node__address", "deployment__name")
+        .values_list(
+            "pk", "node__name", "node__address", "deployment__name", "deployment__routing_policy"
+        )
+        if str(pk) not in exclude
     ]
-    if rows:
-        k = next(_round_robin) % len(rows)
-        rows = rows[k:] + rows[:k]
-    return rows
+    if not rows:
+        return rows
+    return await balancer.order(rows, rows[0].policy, model_name)
 
 
 async def served_models() -> list[dict]:
@@ -183,6 +193,13 @@ def _error_from_rpc(exc: grpc.aio.AioRpcError) -> ServingError:
         return ServingError(400, exc.details())
     if code == "OVERLOADED":
         return ServingError(429, exc.details(), "rate_limit_error", "overloaded", retry_after=1)
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ServingError(
+            504,
+            f"the request ran past its limit of {settings.REQUEST_TIMEOUT_SECONDS:.0f} s",
+            "server_error",
+            "timeout",
+        )
     return ServingError(
         503,
         f"the replica failed: {exc.details() or exc.code().name}",
@@ -191,23 +208,185 @@ def _error_from_rpc(exc: grpc.aio.AioRpcError) -> ServingError:
     )
 
 
-def _retryable(exc: grpc.aio.AioRpcError) -> bool:
+def _replica_lost(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the replica (not the request) failed, so another replica may serve it."""
     code = agent_client.error_code(exc)
     if code in ("ENGINE_FAILED", "REPLICA_NOT_FOUND"):
         return True
-    return not code and exc.code() in (
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-    )
+    return not code and exc.code() == grpc.StatusCode.UNAVAILABLE
+
+
+class Generation:
+    """One request's generation: routed, retried, migrated; its events in order.
+
+    Iterate `events()` once; leaving early (a client that disconnects) cancels the call
+    on the agent, which frees the sequence's slot at once.
+    """
+
+    def __init__(self, params: GenerationParams):
+        self.id = uuid.uuid4().hex
+        self.params = params
+        self.target: Target | None = None
+        self.migrations = 0
+        self.started = time.monotonic()
+        self.deadline = self.started + settings.REQUEST_TIMEOUT_SECONDS
+        self._tried: set[str] = set()
+        self._call = None
+        self._first = None
+        self._token_ids: list[int] = []
+        self._delivered = 0  # UTF-8 bytes the consumer received
+        self._pieces = 0
+        self._first_token_at = 0.0
+
+    async def _open(self, targets: list[Target], resume: pb.Continuation | None) -> None:
+        """Start the stream on the first of `targets` that answers; raises ServingError."""
+        last: ServingError | None = None
+        for target in targets[:MAX_ATTEMPTS]:
+            self._tried.add(target.replica_id)
+            key = f"{self.id}:{len(self._tried)}"
+            await balancer.acquire(target.replica_id, key)
+            call = agent_client.aio_stub(target.address).RunInference(
+                self.params.to_request(target.replica_id, self.id, resume),
+                metadata=agent_client.metadata(),
+                timeout=max(self.deadline - time.monotonic(), 0.001),
+            )
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                balancer.release(target.replica_id, key)
+                last = _error_from_rpc(exc)
+                if _replica_lost(exc) or last.code == "overloaded":
+                    metrics.RETRIES.labels(self.params.model).inc()
+                    continue
+                raise last from None
+            if first is grpc.aio.EOF:
+                balancer.release(target.replica_id, key)
+                last = ServingError(
+                    503, "the replica closed the stream", "server_error", "replica_failed"
+                )
+                continue
+            self.target, self._call, self._first, self._key = target, call, first, key
+            return
+        raise last or ServingError(503, "no replica could serve the request", "server_error")
+
+    def _close(self, cancel: bool) -> None:
+        if self._call is not None:
+            if cancel:
+                self._call.cancel()
+            balancer.release(self.target.replica_id, self._key)
+            self._call = None
+
+    async def _migrate(self, cause: ServingError) -> None:
+        """Continue on another replica from the tokens generated so far."""
+        if self.migrations >= settings.MAX_MIGRATIONS or time.monotonic() >= self.deadline:
+            raise cause
+        targets = await ready_targets(self.params.model, exclude=self._tried)
+        if not targets:
+            raise ServingError(
+                503,
+                f"{cause.message}; no other replica could continue the stream",
+                "server_error",
+                "replica_failed",
+            )
+        resume = pb.Continuation(token_ids=self._token_ids, delivered_bytes=self._delivered)
+        log.info(
+            "generation %s: %s; moving it to another replica after %d tokens",
+            self.id,
+            cause.message,
+            len(self._token_ids),
+        )
+        self.migrations += 1
+        metrics.MIGRATIONS.labels(self.params.model).inc()
+        await self._open(targets, resume)
+
+    async def events(self) -> AsyncIterator[Piece | Finished]:
+        """Pieces of text, then one Finished; raises ServingError when it cannot go on."""
+        done = False
+        try:
+            msg = self._first
+            while True:
+                if msg.finish_reason:
+                    done = True
+                    self._close(cancel=False)
+                    yield self._finished(msg)
+                    return
+                self._token_ids.extend(msg.token_ids)
+                if msg.text:
+                    if not self._first_token_at:
+                        self._first_token_at = time.monotonic()
+                    piece = Piece(msg.text, self._pieces)
+                    self._pieces += 1
+                    yield piece
+                    self._delivered += len(msg.text.encode())
+                try:
+                    msg = await self._call.read()
+                    if msg is grpc.aio.EOF:
+                        raise ServingError(
+                            503,
+                            "the replica ended the stream early",
+                            "server_error",
+                            "replica_failed",
+                        )
+                except grpc.aio.AioRpcError as exc:
+                    self._close(cancel=False)
+                    err = _error_from_rpc(exc)
+                    if not _replica_lost(exc):
+                        raise err from None
+                    await self._migrate(err)
+                    msg = self._first
+                except ServingError as err:
+                    self._close(cancel=False)
+                    await self._migrate(err)
+                    msg = self._first
+        finally:
+            if not done:
+                self._close(cancel=True)
+
+    def _finished(self, msg) -> Finished:
+        end = time.monotonic()
+        first = self._first_token_at or end
+        return Finished(
+            _FINISH.get(msg.finish_reason, "stop"),
+            msg.usage.prompt_tokens,
+            msg.usage.completion_tokens,
+            first - self.started,
+            end - first,
+            self.migrations,
+        )
+
+
+class _Slot:
+    """One of this process's MAX_IN_FLIGHT generation slots."""
+
+    def __init__(self, model: str):
+        global _in_flight
+        if _in_flight >= settings.MAX_IN_FLIGHT:
+            metrics.REQUESTS.labels(model, "", "rejected").inc()
+            raise ServingError(
+                429,
+                f"the server is streaming its limit of {settings.MAX_IN_FLIGHT} generations; "
+                "retry shortly",
+                "rate_limit_error",
+                "server_busy",
+                retry_after=1,
+            )
+        _in_flight += 1
+        self.model = model
+        metrics.IN_FLIGHT.labels(model).inc()
+
+    def free(self) -> None:
+        global _in_flight
+        _in_flight -= 1
+        metrics.IN_FLIGHT.labels(self.model).dec()
 
 
 async def start_generation(params: GenerationParams) -> Generation:
-    """Route to a replica and return once the first event is in hand.
+    """Route to a replica and return once its first message is in hand.
 
-    Failures before the first event are retried on other replicas; they surface here as
-    ServingError so that an HTTP caller still gets a proper status code.
+    Errors before the first message surface here as ServingError, so that an HTTP caller
+    still gets a proper status code.
     """
-    targets = await ready_targets(params.model)  # the one query on the hot path
+    targets = await ready_targets(params.model)
     if not targets and not await CatalogModel.objects.filter(name=params.model).aexists():
         raise ServingError(
             404, f"The model '{params.model}' does not exist", code="model_not_found", param="model"
@@ -220,57 +399,46 @@ async def start_generation(params: GenerationParams) -> Generation:
             "no_replica",
             retry_after=5,
         )
-    gen_id = uuid.uuid4().hex
-    last: ServingError | None = None
-    for target in targets[:MAX_ATTEMPTS]:
-        call = agent_client.aio_stub(target.address).RunInference(
-            params.to_request(target.replica_id, gen_id), metadata=agent_client.metadata()
-        )
-        try:
-            first = await call.read()
-        except grpc.aio.AioRpcError as exc:
-            last = _error_from_rpc(exc)
-            if _retryable(exc):
-                continue
-            raise last from None
-        if first is grpc.aio.EOF:
-            last = ServingError(
-                503, "the replica closed the stream", "server_error", "replica_failed"
-            )
-            continue
-        return Generation(gen_id, target, _events(call, first))
-    raise last or ServingError(503, "no replica could serve the request", "server_error")
+    gen = Generation(params)
+    await gen._open(targets, None)
+    return gen
 
 
-async def _events(call, first) -> AsyncIterator[Piece | Finished]:
-    """Convert agent messages to events; cancels the call when the consumer stops early."""
-    msg = first
-    done = False
+async def generate(params: GenerationParams) -> AsyncIterator[Generation | Piece | Finished]:
+    """The whole serving path with accounting: the Generation once routed, then its events.
+
+    Every exit is counted in the metrics: finished, cancelled (the consumer stopped early),
+    rejected or failed (ServingError propagates to the caller).
+    """
+    slot = _Slot(params.model)
+    gen: Generation | None = None
+    outcome, deployment = "cancelled", ""
     try:
-        while True:
-            if msg.finish_reason:
-                done = True
-                yield Finished(
-                    _FINISH.get(msg.finish_reason, "stop"),
-                    msg.usage.prompt_tokens,
-                    msg.usage.completion_tokens,
-                    msg.timings.time_to_first_token,
-                    msg.timings.decode_seconds,
-                )
-                return
-            if msg.text:
-                yield Piece(msg.text, msg.index)
-            try:
-                msg = await call.read()
-            except grpc.aio.AioRpcError as exc:
-                raise _error_from_rpc(exc) from None
-            if msg is grpc.aio.EOF:
-                raise ServingError(
-                    503, "the replica ended the stream early", "server_error", "replica_failed"
-                )
+        gen = await start_generation(params)
+        deployment = gen.target.deployment
+        yield gen
+        async with aclosing(gen.events()) as events:
+            async for ev in events:
+                if isinstance(ev, Finished):
+                    outcome = "migrated" if ev.migrations else "ok"
+                    _observe(params.model, deployment, ev)
+                yield ev
+    except ServingError as err:
+        outcome = "rejected" if err.status == 429 else "error"
+        metrics.ERRORS.labels(params.model, err.code or err.type).inc()
+        raise
     finally:
-        if not done:
-            call.cancel()  # the agent frees the sequence's slot at once
+        slot.free()
+        metrics.REQUESTS.labels(params.model, deployment, outcome).inc()
+
+
+def _observe(model: str, deployment: str, f: Finished) -> None:
+    metrics.TIME_TO_FIRST_TOKEN.labels(model).observe(f.time_to_first_token)
+    metrics.COMPLETION_TOKENS.labels(model, deployment).inc(f.completion_tokens)
+    if f.completion_tokens > 1 and f.decode_seconds > 0:
+        metrics.TOKENS_PER_SECOND.labels(model).observe(
+            (f.completion_tokens - 1) / f.decode_seconds
+        )
 
 
 def now() -> int:

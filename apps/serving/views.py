@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from apps.accounts.services import authenticate_key, bearer_from_header
 from apps.serving import openai
@@ -18,9 +20,9 @@ from apps.serving.services import (
     GenerationParams,
     Piece,
     ServingError,
+    generate,
     now,
     served_models,
-    start_generation,
 )
 
 
@@ -60,17 +62,22 @@ async def _serve(request, parse: Callable, shape: str) -> HttpResponse:
     try:
         await _authenticate(request)
         params, stream, include_usage = parse(_parse_json(request))
-        gen = await start_generation(params)
+        events = generate(params)
+        gen = await anext(events)  # routed: errors so far still get a status code
     except ServingError as err:
         return error_response(err)
     if stream:
         response = StreamingHttpResponse(
-            _stream(gen, params, shape, include_usage), content_type="text/event-stream"
+            _stream(events, gen, params, shape, include_usage), content_type="text/event-stream"
         )
         response["Cache-Control"] = "no-cache"
         response["X-Accel-Buffering"] = "no"
-        return response
-    return await _collect(gen, params, shape)
+    else:
+        async with aclosing(events):
+            response = await _collect(events, gen, params, shape)
+    response["X-LlamaFleet-Node"] = gen.target.node_name
+    response["X-LlamaFleet-Replica"] = gen.target.replica_id
+    return response
 
 
 def _usage(f: Finished) -> dict:
@@ -87,10 +94,12 @@ def _ids(gen: Generation, shape: str) -> tuple[str, str]:
     return f"cmpl-{gen.id}", "text_completion"
 
 
-async def _collect(gen: Generation, params: GenerationParams, shape: str) -> HttpResponse:
+async def _collect(
+    events: AsyncIterator, gen: Generation, params: GenerationParams, shape: str
+) -> HttpResponse:
     parts: list[str] = []
     try:
-        async for ev in gen.events:
+        async for ev in events:
             if isinstance(ev, Piece):
                 parts.append(ev.text)
             else:
@@ -119,14 +128,15 @@ async def _collect(gen: Generation, params: GenerationParams, shape: str) -> Htt
         "usage": _usage(finished),
         "system_fingerprint": f"llamafleet-{gen.target.deployment}",
     }
-    response = JsonResponse(body)
-    response["X-LlamaFleet-Node"] = gen.target.node_name
-    response["X-LlamaFleet-Replica"] = gen.target.replica_id
-    return response
+    return JsonResponse(body)
 
 
 async def _stream(
-    gen: Generation, params: GenerationParams, shape: str, include_usage: bool
+    events: AsyncIterator,
+    gen: Generation,
+    params: GenerationParams,
+    shape: str,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
     ident, obj = _ids(gen, shape)
     obj += ".chunk" if shape == "chat" else ""
@@ -151,22 +161,23 @@ async def _stream(
             choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
         return base | {"choices": [choice]} | ({"usage": None} if include_usage else {})
 
-    if shape == "chat":
-        yield _sse(chunk(None, None, first=True))
-    try:
-        async for ev in gen.events:
-            if isinstance(ev, Piece):
-                yield _sse(chunk(ev.text, None))
-            else:
-                reason = "stop" if ev.finish_reason == "cancelled" else ev.finish_reason
-                yield _sse(chunk(None, reason))
-                if include_usage:
-                    yield _sse(base | {"choices": [], "usage": _usage(ev)})
-    except ServingError as err:
-        # Headers are gone: the error travels as an event, and no [DONE] follows.
-        yield _sse(err.body())
-        return
-    yield _sse(b"[DONE]")
+    async with aclosing(events):  # a client that goes away frees its slot at once
+        if shape == "chat":
+            yield _sse(chunk(None, None, first=True))
+        try:
+            async for ev in events:
+                if isinstance(ev, Piece):
+                    yield _sse(chunk(ev.text, None))
+                else:
+                    reason = "stop" if ev.finish_reason == "cancelled" else ev.finish_reason
+                    yield _sse(chunk(None, reason))
+                    if include_usage:
+                        yield _sse(base | {"choices": [], "usage": _usage(ev)})
+        except ServingError as err:
+            # Headers are gone: the error travels as an event, and no [DONE] follows.
+            yield _sse(err.body())
+            return
+        yield _sse(b"[DONE]")
 
 
 @csrf_exempt
@@ -188,6 +199,16 @@ async def models(request):
     except ServingError as err:
         return error_response(err)
     return JsonResponse({"object": "list", "data": await served_models()})
+
+
+@require_GET
+async def metrics(request):
+    """Prometheus metrics of this process; scrape with an API key as Bearer token."""
+    try:
+        await _authenticate(request)
+    except ServingError as err:
+        return error_response(err)
+    return HttpResponse(generate_latest(), content_type=CONTENT_TYPE_LATEST)
 
 
 @require_GET

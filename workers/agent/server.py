@@ -14,6 +14,7 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from llamafleet.agent.v1 import agent_pb2_grpc
 
+from workers.agent.metrics import serve_metrics
 from workers.agent.service import NodeAgentService
 from workers.agent.store import ModelStore
 
@@ -34,6 +35,7 @@ class AgentSettings:
     models_dir: str
     threads: int = 0
     heartbeat_seconds: float = 5.0
+    metrics_listen: str = ""  # host:port of GET /metrics (node token as Bearer); "" for none
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -125,6 +127,7 @@ class Agent:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
         self._tasks: list[asyncio.Task] = []
+        self.metrics_server: asyncio.AbstractServer | None = None
 
     def _changed(self) -> None:
         if self.heartbeats is not None:
@@ -139,6 +142,13 @@ class Agent:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.settings.advertise.endswith(":0"):
             self.settings.advertise = self.settings.advertise[:-1] + str(self.port)
+        if self.settings.metrics_listen:
+            try:
+                self.metrics_server = await serve_metrics(
+                    self.service.metrics, self.settings.metrics_listen, self.settings.node_token
+                )
+            except OSError as exc:  # serving matters more than being scraped
+                log.error("no metrics: cannot listen on %s: %s", self.settings.metrics_listen, exc)
         if self.settings.control_plane:
             self.heartbeats = Heartbeats(self.settings, self.service)
             self._tasks.append(asyncio.create_task(self.heartbeats.run()))
@@ -150,6 +160,8 @@ class Agent:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         for task in self._tasks:
             task.cancel()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         await self.server.stop(grace=2)
         await self.service.shutdown()
 

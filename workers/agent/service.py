@@ -13,6 +13,7 @@ from llamafleet.agent.v1 import agent_pb2_grpc
 
 import workers
 from workers.agent import system
+from workers.agent.metrics import AgentMetrics
 from workers.agent.store import ModelStore
 from workers.engine.errors import EngineError
 from workers.engine.process import EngineConfig, EngineProcess
@@ -92,6 +93,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         self.threads = threads or system.cpu_cores()
         self.replicas: dict[str, Replica] = {}
         self._on_change = on_change or (lambda: None)
+        self.metrics = AgentMetrics(self)
 
     def _replica(self, replica_id: str) -> Replica:
         replica = self.replicas.get(replica_id)
@@ -156,15 +158,20 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             payload = inference_payload(request)
             async for event in replica.engine.generate(payload):
                 if event[0] == "token":
-                    yield pb.InferenceResponse(text=event[2], index=event[3])
+                    yield pb.InferenceResponse(text=event[2], index=event[3], token_ids=event[4])
                 else:
                     _, _, reason, usage, timings = event
+                    self.metrics.finished(
+                        replica.replica_id, replica.model_name, reason, usage, timings
+                    )
                     yield pb.InferenceResponse(
                         finish_reason=_FINISH[reason],
                         usage=pb.Usage(**usage),
                         timings=pb.Timings(**timings),
                     )
         except EngineError as exc:
+            if exc.code != "REPLICA_NOT_FOUND":
+                self.metrics.failed(request.replica_id, replica.model_name, exc.code)
             await abort(context, exc)
 
     async def Tokenize(self, request, context):
@@ -219,4 +226,6 @@ def inference_payload(request: pb.InferenceRequest) -> dict:
         "max_tokens": request.max_tokens,
         "sampling": sampling,
         "stop": list(request.stop),
+        "resume_tokens": list(request.resume.token_ids),
+        "delivered_bytes": request.resume.delivered_bytes,
     }

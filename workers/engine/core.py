@@ -50,6 +50,10 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     stop: list[str] = field(default_factory=list)
     received_at: float = field(default_factory=time.monotonic)
+    #: Tokens another replica already generated (migration); decoded after the prompt.
+    resume_tokens: list[int] = field(default_factory=list)
+    #: UTF-8 bytes of the resumed tokens' text that the client already has.
+    delivered_bytes: int = 0
 
 
 @dataclass
@@ -60,12 +64,14 @@ class _Sequence:
     seq_id: int
     sampler: ctypes.c_void_p
     limit: int  # most tokens this sequence may generate
-    prefill_pos: int = 0  # prompt tokens already decoded
+    prefill: list[int] = field(default_factory=list)  # prompt, then any resumed tokens
+    prefill_pos: int = 0  # prefill tokens already decoded
     n_past: int = 0  # tokens in the KV cache for this sequence
     last_token: int = -1
     generated: int = 0
     batch_index: int = -1  # index in the current batch whose logits to sample
     pending_text: str = ""  # decoded text held back while it may start a stop string
+    new_tokens: list[int] = field(default_factory=list)  # sampled, not yet sent with text
     emitted: int = 0  # pieces emitted
     admitted_at: float = 0.0
     first_token_at: float = 0.0
@@ -233,19 +239,38 @@ class BatchEngine:
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed & 0xFFFFFFFF))
         return chain
 
-    def _admit(self) -> None:
+    def _admit(self, events: list[tuple]) -> None:
         while self.waiting and self.free_seq_ids:
             req = self.waiting.popleft()
             seq_id = self.free_seq_ids.popleft()
             room = self.context_length - len(req.prompt_tokens)
             limit = min(req.max_tokens, room) if req.max_tokens > 0 else room
-            self.active[req.request_id] = _Sequence(
+            seq = _Sequence(
                 req=req,
                 seq_id=seq_id,
                 sampler=self._new_sampler(req.sampling),
                 limit=limit,
+                prefill=req.prompt_tokens + req.resume_tokens,
                 admitted_at=time.monotonic(),
             )
+            self.active[req.request_id] = seq
+            if req.resume_tokens:
+                self._resume(seq, events)
+
+    def _resume(self, seq: _Sequence, events: list[tuple]) -> None:
+        """Take over a generation: its tokens count as generated, unsent text is sent."""
+        req = seq.req
+        for token in req.resume_tokens:
+            L.llama_sampler_accept(seq.sampler, token)  # the repeat penalty's history
+        seq.generated = len(req.resume_tokens)
+        seq.first_token_at = time.monotonic()
+        raw = b"".join(self.token_bytes(t) for t in req.resume_tokens)
+        seq.decoder.decode(raw[: req.delivered_bytes])  # already with the client
+        if self._push_text(seq, seq.decoder.decode(raw[req.delivered_bytes :]), events):
+            events.append(self._finish(seq, "stop"))
+        elif seq.generated >= seq.limit:
+            events.extend(self._flush(seq, final=True))
+            events.append(self._finish(seq, "length"))
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -259,21 +284,22 @@ class BatchEngine:
 
     def step(self) -> list[tuple]:
         """Decode one batch; returns events ("token", ...) and ("done", ...)."""
-        self._admit()
+        events: list[tuple] = []
+        self._admit(events)
         if not self.active:
-            return []
+            return events
         n = 0
         # Decoding sequences first: one token each, so they never wait behind a prompt.
         for seq in self.active.values():
             seq.batch_index = -1
-            if seq.prefill_pos == len(seq.req.prompt_tokens):
+            if seq.prefill_pos == len(seq.prefill):
                 self._add(n, seq.last_token, seq.n_past, seq.seq_id, True)
                 seq.batch_index = n
                 seq.n_past += 1
                 n += 1
         # Then prompt chunks, in arrival order, in what is left of the batch.
         for seq in self.active.values():
-            prompt = seq.req.prompt_tokens
+            prompt = seq.prefill
             while seq.prefill_pos < len(prompt) and n < N_BATCH:
                 last = seq.prefill_pos == len(prompt) - 1
                 self._add(n, prompt[seq.prefill_pos], seq.n_past, seq.seq_id, last)
@@ -286,11 +312,10 @@ class BatchEngine:
         rc = L.llama_decode(self.ctx, self.batch)
         if rc != 0:
             # Fail what was in this batch rather than the whole engine.
-            return [
+            return events + [
                 self._fail(seq, "ENGINE_FAILED", f"llama_decode failed with code {rc}")
                 for seq in list(self.active.values())
             ]
-        events: list[tuple] = []
         for seq in list(self.active.values()):
             if seq.batch_index < 0:
                 continue
@@ -303,6 +328,7 @@ class BatchEngine:
                 continue
             seq.generated += 1
             seq.last_token = token
+            seq.new_tokens.append(token)
             text = seq.decoder.decode(self.token_bytes(token))
             stopped = self._push_text(seq, text, events)
             if stopped:
@@ -333,17 +359,21 @@ class BatchEngine:
         else:
             out, seq.pending_text = seq.pending_text, ""
         if out:
-            events.append(("token", seq.req.request_id, out, seq.emitted))
-            seq.emitted += 1
+            events.append(self._piece(seq, out))
         return False
+
+    def _piece(self, seq: _Sequence, text: str) -> tuple:
+        event = ("token", seq.req.request_id, text, seq.emitted, seq.new_tokens)
+        seq.emitted += 1
+        seq.new_tokens = []
+        return event
 
     def _flush(self, seq: _Sequence, final: bool) -> list[tuple]:
         text = seq.pending_text + (seq.decoder.decode(b"", final=True) if final else "")
         seq.pending_text = ""
         if not text:
             return []
-        seq.emitted += 1
-        return [("token", seq.req.request_id, text, seq.emitted - 1)]
+        return [self._piece(seq, text)]
 
     def _release(self, seq: _Sequence) -> None:
         del self.active[seq.req.request_id]

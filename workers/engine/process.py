@@ -6,7 +6,7 @@ talks to it over a pipe and learns of its death from the pipe closing.
 
 Messages are tuples. Agent -> engine: ("generate", id, payload), ("cancel", id),
 ("tokenize", id, payload), ("shutdown",). Engine -> agent: ("ready", info),
-("load_error", code, message), ("token", id, text, index), ("done", id, reason, usage,
+("load_error", code, message), ("token", id, text, index, token_ids), ("done", id, reason, usage,
 timings), ("error", id, code, message), ("tokens", id, tokens, context_length).
 """
 
@@ -131,6 +131,8 @@ def child_main(conn, config: EngineConfig) -> None:
                             max_tokens=int(payload.get("max_tokens") or 0),
                             sampling=Sampling(**s),
                             stop=list(payload.get("stop") or []),
+                            resume_tokens=list(payload.get("resume_tokens") or []),
+                            delivered_bytes=int(payload.get("delivered_bytes") or 0),
                         )
                     )
                 except EngineError as exc:
@@ -301,7 +303,8 @@ class EngineProcess:
             )
 
     async def generate(self, payload: dict) -> AsyncIterator[tuple]:
-        """Yield ("token", id, text, index) then one ("done", id, reason, usage, timings)."""
+        """Yield ("token", id, text, index, token_ids)..., then ("done", id, reason, usage,
+        timings)."""
         self._require_ready()
         rid = f"g{next(_ids)}"
         queue: asyncio.Queue = asyncio.Queue()

@@ -42,6 +42,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "replicas",
             "context_length",
             "parallel",
+            "routing_policy",
             "state",
             "error",
             "replica_set",
@@ -61,6 +62,9 @@ class CreateDeploymentSerializer(serializers.Serializer):
     replicas = serializers.IntegerField(default=1, min_value=1, max_value=64)
     context_length = serializers.IntegerField(required=False, min_value=16)
     parallel = serializers.IntegerField(required=False, min_value=1, max_value=256)
+    routing_policy = serializers.ChoiceField(
+        choices=Deployment.Routing.choices, default=Deployment.Routing.LEAST_CONNECTIONS
+    )
 
 
 class ScaleSerializer(serializers.Serializer):

@@ -36,6 +36,7 @@ class DeploymentViewSet(
             v["replicas"],
             v.get("context_length"),
             v.get("parallel"),
+            v["routing_policy"],
         )
         return Response(DeploymentSerializer(d).data, status=status.HTTP_202_ACCEPTED)
 

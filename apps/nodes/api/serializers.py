@@ -13,6 +13,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "name",
             "address",
             "state",
+            "draining",
             "version",
             "cpu_cores",
             "accelerators",

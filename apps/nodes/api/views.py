@@ -1,5 +1,6 @@
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import viewsets
+from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -15,6 +16,20 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     queryset = Node.objects.all()
     serializer_class = NodeSerializer
     lookup_field = "name"
+
+    @extend_schema(request=None, responses={200: NodeSerializer})
+    @action(detail=True, methods=["post"])
+    def drain(self, request, name=None):
+        """Stop routing new requests and replicas to the node; requests in flight finish."""
+        node = services.set_draining(self.get_object(), True)
+        return Response(NodeSerializer(node).data)
+
+    @extend_schema(request=None, responses={200: NodeSerializer})
+    @action(detail=True, methods=["post"])
+    def undrain(self, request, name=None):
+        """Open a drained node to requests and replicas again."""
+        node = services.set_draining(self.get_object(), False)
+        return Response(NodeSerializer(node).data)
 
 
 class AgentHeartbeatView(APIView):

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fllamafleet/agent/v1/agent.proto\x12\x13llamafleet.agent.v1\"\xc6\x01\n\x10LoadModelRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x64ownload_url\x18\x05 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x10\n\x08parallel\x18\x07 \x01(\r\x12\x0f\n\x07threads\x18\x08 \x01(\r\x12\x15\n\rchat_template\x18\t \x01(\t\"\x80\x01\n\x11LoadModelResponse\x12\x30\n\x05state\x18\x01 \x01(\x0e\x32!.llamafleet.agent.v1.ReplicaState\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\"\'\n\x11\x46reeMemoryRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"#\n\x12\x46reeMemoryResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"{\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x16\n\x0erepeat_penalty\x18\x06 \x01(\x02\"\xd7\x01\n\x10InferenceRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x32\n\x08messages\x18\x03 \x03(\x0b\x32 .llamafleet.agent.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x35\n\x08sampling\x18\x06 \x01(\x0b\x32#.llamafleet.agent.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"U\n\x07Timings\x12\x1b\n\x13time_to_first_token\x18\x01 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x02 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\"\xc4\x01\n\x11InferenceResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x38\n\rfinish_reason\x18\x03 \x01(\x0e\x32!.llamafleet.agent.v1.FinishReason\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x1a.llamafleet.agent.v1.Usage\x12-\n\x07timings\x18\x05 \x01(\x0b\x32\x1c.llamafleet.agent.v1.Timings\"g\n\x0fTokenizeRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x32\n\x08messages\x18\x02 \x03(\x0b\x32 .llamafleet.agent.v1.ChatMessage\x12\x0c\n\x04text\x18\x03 \x01(\t\":\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\"\x12\n\x10GetStatusRequest\"\xd8\x01\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x30\n\x05state\x18\x03 \x01(\x0e\x32!.llamafleet.agent.v1.ReplicaState\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\x11\n\tin_flight\x18\x06 \x01(\r\x12\x0b\n\x03pid\x18\x07 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x08 \x01(\r\x12\x10\n\x08parallel\x18\t \x01(\r\"\xfb\x01\n\nNodeStatus\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x03\x12\x1e\n\x16memory_available_bytes\x18\x04 \x01(\x03\x12\x11\n\tcpu_cores\x18\x05 \x01(\r\x12\x14\n\x0c\x61\x63\x63\x65lerators\x18\x06 \x03(\t\x12\x34\n\x08replicas\x18\x07 \x03(\x0b\x32\".llamafleet.agent.v1.ReplicaStatus\x12\x1b\n\x13memory_in_use_bytes\x18\x08 \x01(\x03\x12\x11\n\tin_flight\x18\t \x01(\r*\x97\x01\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICA_STATE_LOADING\x10\x01\x12\x17\n\x13REPLICA_STATE_READY\x10\x02\x12\x18\n\x14REPLICA_STATE_FAILED\x10\x03\x12\x1a\n\x16REPLICA_STATE_STOPPING\x10\x04*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*\xea\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12&\n\"ERROR_CODE_CONTEXT_LENGTH_EXCEEDED\x10\x01\x12 \n\x1c\x45RROR_CODE_REPLICA_NOT_FOUND\x10\x02\x12\x1c\n\x18\x45RROR_CODE_ENGINE_FAILED\x10\x03\x12\x1d\n\x19\x45RROR_CODE_BAD_MODEL_FILE\x10\x04\x12\x19\n\x15\x45RROR_CODE_OVERLOADED\x10\x05\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x06\x32\xd5\x03\n\tNodeAgent\x12Z\n\tLoadModel\x12%.llamafleet.agent.v1.LoadModelRequest\x1a&.llamafleet.agent.v1.LoadModelResponse\x12]\n\nFreeMemory\x12&.llamafleet.agent.v1.FreeMemoryRequest\x1a\'.llamafleet.agent.v1.FreeMemoryResponse\x12_\n\x0cRunInference\x12%.llamafleet.agent.v1.InferenceRequest\x1a&.llamafleet.agent.v1.InferenceResponse0\x01\x12W\n\x08Tokenize\x12$.llamafleet.agent.v1.TokenizeRequest\x1a%.llamafleet.agent.v1.TokenizeResponse\x12S\n\tGetStatus\x12%.llamafleet.agent.v1.GetStatusRequest\x1a\x1f.llamafleet.agent.v1.NodeStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fllamafleet/agent/v1/agent.proto\x12\x13llamafleet.agent.v1\"\xc6\x01\n\x10LoadModelRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x64ownload_url\x18\x05 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x10\n\x08parallel\x18\x07 \x01(\r\x12\x0f\n\x07threads\x18\x08 \x01(\r\x12\x15\n\rchat_template\x18\t \x01(\t\"\x80\x01\n\x11LoadModelResponse\x12\x30\n\x05state\x18\x01 \x01(\x0e\x32!.llamafleet.agent.v1.ReplicaState\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\"\'\n\x11\x46reeMemoryRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"#\n\x12\x46reeMemoryResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"{\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x16\n\x0erepeat_penalty\x18\x06 \x01(\x02\"\x8a\x02\n\x10InferenceRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x32\n\x08messages\x18\x03 \x03(\x0b\x32 .llamafleet.agent.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x35\n\x08sampling\x18\x06 \x01(\x0b\x32#.llamafleet.agent.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x31\n\x06resume\x18\x08 \x01(\x0b\x32!.llamafleet.agent.v1.Continuation\":\n\x0c\x43ontinuation\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x17\n\x0f\x64\x65livered_bytes\x18\x02 \x01(\x04\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"U\n\x07Timings\x12\x1b\n\x13time_to_first_token\x18\x01 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x02 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\"\xd7\x01\n\x11InferenceResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x38\n\rfinish_reason\x18\x03 \x01(\x0e\x32!.llamafleet.agent.v1.FinishReason\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x1a.llamafleet.agent.v1.Usage\x12-\n\x07timings\x18\x05 \x01(\x0b\x32\x1c.llamafleet.agent.v1.Timings\x12\x11\n\ttoken_ids\x18\x06 \x03(\x05\"g\n\x0fTokenizeRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x32\n\x08messages\x18\x02 \x03(\x0b\x32 .llamafleet.agent.v1.ChatMessage\x12\x0c\n\x04text\x18\x03 \x01(\t\":\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\"\x12\n\x10GetStatusRequest\"\xd8\x01\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x30\n\x05state\x18\x03 \x01(\x0e\x32!.llamafleet.agent.v1.ReplicaState\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\x11\n\tin_flight\x18\x06 \x01(\r\x12\x0b\n\x03pid\x18\x07 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x08 \x01(\r\x12\x10\n\x08parallel\x18\t \x01(\r\"\xfb\x01\n\nNodeStatus\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x03\x12\x1e\n\x16memory_available_bytes\x18\x04 \x01(\x03\x12\x11\n\tcpu_cores\x18\x05 \x01(\r\x12\x14\n\x0c\x61\x63\x63\x65lerators\x18\x06 \x03(\t\x12\x34\n\x08replicas\x18\x07 \x03(\x0b\x32\".llamafleet.agent.v1.ReplicaStatus\x12\x1b\n\x13memory_in_use_bytes\x18\x08 \x01(\x03\x12\x11\n\tin_flight\x18\t \x01(\r*\x97\x01\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICA_STATE_LOADING\x10\x01\x12\x17\n\x13REPLICA_STATE_READY\x10\x02\x12\x18\n\x14REPLICA_STATE_FAILED\x10\x03\x12\x1a\n\x16REPLICA_STATE_STOPPING\x10\x04*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*\xea\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12&\n\"ERROR_CODE_CONTEXT_LENGTH_EXCEEDED\x10\x01\x12 \n\x1c\x45RROR_CODE_REPLICA_NOT_FOUND\x10\x02\x12\x1c\n\x18\x45RROR_CODE_ENGINE_FAILED\x10\x03\x12\x1d\n\x19\x45RROR_CODE_BAD_MODEL_FILE\x10\x04\x12\x19\n\x15\x45RROR_CODE_OVERLOADED\x10\x05\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x06\x32\xd5\x03\n\tNodeAgent\x12Z\n\tLoadModel\x12%.llamafleet.agent.v1.LoadModelRequest\x1a&.llamafleet.agent.v1.LoadModelResponse\x12]\n\nFreeMemory\x12&.llamafleet.agent.v1.FreeMemoryRequest\x1a\'.llamafleet.agent.v1.FreeMemoryResponse\x12_\n\x0cRunInference\x12%.llamafleet.agent.v1.InferenceRequest\x1a&.llamafleet.agent.v1.InferenceResponse0\x01\x12W\n\x08Tokenize\x12$.llamafleet.agent.v1.TokenizeRequest\x1a%.llamafleet.agent.v1.TokenizeResponse\x12S\n\tGetStatus\x12%.llamafleet.agent.v1.GetStatusRequest\x1a\x1f.llamafleet.agent.v1.NodeStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llamafleet.agent.v1.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REPLICASTATE']._serialized_start=1859
-  _globals['_REPLICASTATE']._serialized_end=2010
-  _globals['_FINISHREASON']._serialized_start=2012
-  _globals['_FINISHREASON']._serialized_end=2136
-  _globals['_ERRORCODE']._serialized_start=2139
-  _globals['_ERRORCODE']._serialized_end=2373
+  _globals['_REPLICASTATE']._serialized_start=1989
+  _globals['_REPLICASTATE']._serialized_end=2140
+  _globals['_FINISHREASON']._serialized_start=2142
+  _globals['_FINISHREASON']._serialized_end=2266
+  _globals['_ERRORCODE']._serialized_start=2269
+  _globals['_ERRORCODE']._serialized_end=2503
   _globals['_LOADMODELREQUEST']._serialized_start=57
   _globals['_LOADMODELREQUEST']._serialized_end=255
   _globals['_LOADMODELRESPONSE']._serialized_start=258
@@ -50,23 +50,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=512
   _globals['_SAMPLINGPARAMS']._serialized_end=635
   _globals['_INFERENCEREQUEST']._serialized_start=638
-  _globals['_INFERENCEREQUEST']._serialized_end=853
-  _globals['_USAGE']._serialized_start=855
-  _globals['_USAGE']._serialized_end=912
-  _globals['_TIMINGS']._serialized_start=914
-  _globals['_TIMINGS']._serialized_end=999
-  _globals['_INFERENCERESPONSE']._serialized_start=1002
-  _globals['_INFERENCERESPONSE']._serialized_end=1198
-  _globals['_TOKENIZEREQUEST']._serialized_start=1200
-  _globals['_TOKENIZEREQUEST']._serialized_end=1303
-  _globals['_TOKENIZERESPONSE']._serialized_start=1305
-  _globals['_TOKENIZERESPONSE']._serialized_end=1363
-  _globals['_GETSTATUSREQUEST']._serialized_start=1365
-  _globals['_GETSTATUSREQUEST']._serialized_end=1383
-  _globals['_REPLICASTATUS']._serialized_start=1386
-  _globals['_REPLICASTATUS']._serialized_end=1602
-  _globals['_NODESTATUS']._serialized_start=1605
-  _globals['_NODESTATUS']._serialized_end=1856
-  _globals['_NODEAGENT']._serialized_start=2376
-  _globals['_NODEAGENT']._serialized_end=2845
+  _globals['_INFERENCEREQUEST']._serialized_end=904
+  _globals['_CONTINUATION']._serialized_start=906
+  _globals['_CONTINUATION']._serialized_end=964
+  _globals['_USAGE']._serialized_start=966
+  _globals['_USAGE']._serialized_end=1023
+  _globals['_TIMINGS']._serialized_start=1025
+  _globals['_TIMINGS']._serialized_end=1110
+  _globals['_INFERENCERESPONSE']._serialized_start=1113
+  _globals['_INFERENCERESPONSE']._serialized_end=1328
+  _globals['_TOKENIZEREQUEST']._serialized_start=1330
+  _globals['_TOKENIZEREQUEST']._serialized_end=1433
+  _globals['_TOKENIZERESPONSE']._serialized_start=1435
+  _globals['_TOKENIZERESPONSE']._serialized_end=1493
+  _globals['_GETSTATUSREQUEST']._serialized_start=1495
+  _globals['_GETSTATUSREQUEST']._serialized_end=1513
+  _globals['_REPLICASTATUS']._serialized_start=1516
+  _globals['_REPLICASTATUS']._serialized_end=1732
+  _globals['_NODESTATUS']._serialized_start=1735
+  _globals['_NODESTATUS']._serialized_end=1986
+  _globals['_NODEAGENT']._serialized_start=2506
+  _globals['_NODEAGENT']._serialized_end=2975
 # @@protoc_insertion_point(module_scope)

@@ -119,7 +119,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., repeat_penalty: _Optional[float] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
-    __slots__ = ("replica_id", "request_id", "messages", "prompt", "max_tokens", "sampling", "stop")
+    __slots__ = ("replica_id", "request_id", "messages", "prompt", "max_tokens", "sampling", "stop", "resume")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class InferenceRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -134,7 +135,16 @@ class InferenceRequest(_message.Message):
     max_tokens: int
     sampling: SamplingParams
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    resume: Continuation
+    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+
+class Continuation(_message.Message):
+    __slots__ = ("token_ids", "delivered_bytes")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    delivered_bytes: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., delivered_bytes: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -155,18 +165,20 @@ class Timings(_message.Message):
     def __init__(self, time_to_first_token: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class InferenceResponse(_message.Message):
-    __slots__ = ("text", "index", "finish_reason", "usage", "timings")
+    __slots__ = ("text", "index", "finish_reason", "usage", "timings", "token_ids")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     index: int
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
-    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("replica_id", "messages", "text")

@@ -1,0 +1,39 @@
+"""Prometheus metrics of the serving path, exposed at /metrics of the control plane."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter(
+    "llamafleet_requests",
+    "Generations by how they ended: ok, cancelled, error, rejected, migrated (ok after a move).",
+    ["model", "deployment", "outcome"],
+)
+ERRORS = Counter(
+    "llamafleet_request_errors", "Generations that ended in an error, by code.", ["model", "code"]
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "llamafleet_time_to_first_token_seconds",
+    "From the request reaching the control plane to its first token.",
+    ["model"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 2, 5, 10, 30),
+)
+TOKENS_PER_SECOND = Histogram(
+    "llamafleet_decode_tokens_per_second",
+    "Decode speed of one generation after its first token.",
+    ["model"],
+    buckets=(1, 5, 10, 20, 40, 60, 80, 100, 130, 160, 200, 300),
+)
+COMPLETION_TOKENS = Counter(
+    "llamafleet_completion_tokens", "Tokens generated.", ["model", "deployment"]
+)
+IN_FLIGHT = Gauge("llamafleet_in_flight", "Generations streaming from this process.", ["model"])
+MIGRATIONS = Counter(
+    "llamafleet_migrations", "Streams moved to another replica mid-flight.", ["model"]
+)
+RETRIES = Counter(
+    "llamafleet_retries", "Replicas skipped before the first token (failed or full).", ["model"]
+)
+ROUTING_FALLBACKS = Counter(
+    "llamafleet_routing_fallbacks", "Routing decisions taken without Redis (it did not answer)."
+)
