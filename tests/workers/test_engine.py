@@ -144,3 +144,66 @@ def test_corrupt_file_raises_a_clear_error(tmp_path, smollm2_path):
     with pytest.raises(EngineError) as err:
         BatchEngine(str(bad), 128, 1, 2)
     assert err.value.code == "BAD_MODEL_FILE"
+
+
+def _events(engine, req):
+    """Token events and the done event of one request run alone."""
+    engine.submit(req)
+    pieces, done = [], None
+    while not engine.idle():
+        for ev in engine.step():
+            if ev[0] == "token":
+                pieces.append(ev)
+            elif ev[0] == "done":
+                done = ev
+    return pieces, done
+
+
+STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
+
+
+@pytest.mark.parametrize("cut", [1, 7, 20, 45])
+def test_resumed_generation_continues_the_text_exactly(engine, cut):
+    """Migration: another engine given the tokens so far continues with the same text."""
+    prompt = chat_tokens(engine, STORY)
+    full, full_done = _events(engine, Request("whole", prompt, 64, GREEDY))
+    text = "".join(p[2] for p in full)
+    ids = [t for p in full[:cut] for t in p[4]]
+    delivered = "".join(p[2] for p in full[:cut])
+    rest, done = _events(
+        engine,
+        Request(
+            "resumed",
+            prompt,
+            64,
+            GREEDY,
+            resume_tokens=ids,
+            delivered_bytes=len(delivered.encode()),
+        ),
+    )
+    assert delivered + "".join(p[2] for p in rest) == text
+    assert done[3] == full_done[3]  # same usage: resumed tokens count as generated
+    assert done[2] == full_done[2]
+
+
+def test_resumed_generation_resends_text_held_back_for_a_stop_string(engine):
+    """Tokens whose text was held back (it may begin a stop string) are not lost."""
+    prompt = chat_tokens(engine, STORY)
+    whole, _ = _events(engine, Request("w", prompt, 40, GREEDY))
+    text = "".join(p[2] for p in whole)
+    ids = [t for p in whole for t in p[4]]
+    # The client got only the first half of the text, though every token was sent.
+    delivered = text[: len(text) // 2]
+    rest, done = _events(
+        engine,
+        Request(
+            "r",
+            prompt,
+            40,
+            GREEDY,
+            resume_tokens=ids,
+            delivered_bytes=len(delivered.encode()),
+        ),
+    )
+    assert delivered + "".join(p[2] for p in rest) == text
+    assert done[2] == "length" and done[3]["completion_tokens"] == 40

@@ -297,10 +297,14 @@ class BatchEngine:
                 seq.batch_index = n
                 seq.n_past += 1
                 n += 1
-        # Then prompt chunks, in arrival order, in what is left of the batch.
+        # Then prompt chunks, in arrival order, in what is left of the batch. Resumed tokens
+        # go one per step, as they were first decoded: a chunk computes slightly different
+        # numbers, enough to change a greedy choice.
         for seq in self.active.values():
             prompt = seq.prefill
+            n_prompt = len(seq.req.prompt_tokens)
             while seq.prefill_pos < len(prompt) and n < N_BATCH:
+                replaying = seq.prefill_pos >= n_prompt
                 last = seq.prefill_pos == len(prompt) - 1
                 self._add(n, prompt[seq.prefill_pos], seq.n_past, seq.seq_id, last)
                 if last:
@@ -308,6 +312,8 @@ class BatchEngine:
                 seq.prefill_pos += 1
                 seq.n_past += 1
                 n += 1
+                if replaying:
+                    break
         self.batch.n_tokens = n
         rc = L.llama_decode(self.ctx, self.batch)
         if rc != 0:

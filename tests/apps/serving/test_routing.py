@@ -1,0 +1,284 @@
+"""Two real agents serving one deployment: routing policies, drain, migration, backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from asgiref.sync import sync_to_async
+from django.test import AsyncClient
+
+from tests.conftest import CHAT, SMOLLM2, RunningAgent
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+STORY = [{"role": "user", "content": "Write a long story."}]
+
+
+@pytest.fixture
+def two_replicas(transactional_db, smollm2_model, model_store):
+    """One deployment, one replica on each of two real agents (node-a, node-b)."""
+    from apps.deployments import services
+    from apps.deployments.models import Deployment, Replica
+    from apps.nodes.services import record_heartbeat
+
+    agents = [RunningAgent(model_store, name) for name in ("node-a", "node-b")]
+    try:
+        d = Deployment.objects.create(
+            name=SMOLLM2,
+            model=smollm2_model,
+            replicas=2,
+            context_length=512,
+            parallel=4,
+            state=Deployment.State.DEPLOYING,
+        )
+        for a in agents:
+            a.node = record_heartbeat(a.status_payload())
+            replica = Replica.objects.create(deployment=d, node=a.node)
+            services.load(str(replica.pk))
+            a.replica_id = str(replica.pk)
+        d.refresh_from_db()
+        assert d.state == Deployment.State.READY, d.error
+        yield d, {a.replica_id: a for a in agents}
+    finally:
+        for a in agents:
+            a.close()
+
+
+async def post(key, body):
+    return await AsyncClient().post(
+        "/v1/chat/completions",
+        json.dumps(body),
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {key}"},
+    )
+
+
+def sse_payloads(chunks: list[bytes]) -> list:
+    raw = b"".join(chunks).decode()
+    return [line.removeprefix("data: ") for line in raw.split("\n\n") if line]
+
+
+def text_of(payloads: list) -> str:
+    out = []
+    for p in payloads:
+        if p.startswith("{"):
+            for c in json.loads(p).get("choices", []):
+                out.append(c["delta"].get("content") or "")
+    return "".join(out)
+
+
+def metric(name: str, **labels) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_a_stream_moves_to_another_replica_when_its_replica_dies(
+    two_replicas, alice_key, reference_text
+):
+    _, agents = two_replicas
+    migrated_before = metric("llamafleet_migrations_total", model=SMOLLM2)
+    resp = await post(
+        alice_key,
+        {
+            "model": SMOLLM2,
+            "messages": STORY,
+            "max_tokens": 120,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert resp.status_code == 200
+    serving = agents[resp["X-LlamaFleet-Replica"]]
+    chunks, killed = [], False
+    async for chunk in resp.streaming_content:
+        chunks.append(chunk)
+        if len(chunks) == 12 and not killed:  # a dozen tokens are with the client
+            os.kill(serving.engine_pid(serving.replica_id), signal.SIGKILL)
+            killed = True
+    payloads = sse_payloads(chunks)
+    assert killed and payloads[-1] == "[DONE]", payloads[-3:]
+    # One uninterrupted stream: nothing lost, nothing repeated, the text of a solo run.
+    assert text_of(payloads) == reference_text(STORY, 120)
+    usage = json.loads(payloads[-2])["usage"]
+    assert usage["completion_tokens"] == 120
+    assert metric("llamafleet_migrations_total", model=SMOLLM2) == migrated_before + 1
+    other = next(a for a in agents.values() if a is not serving)
+    assert other.agent.service.metrics.tokens.labels(other.replica_id, SMOLLM2)._value.get() > 0
+
+
+async def test_a_stream_ends_with_an_error_event_when_no_replica_can_continue(
+    two_replicas, alice_key, settings
+):
+    settings.MAX_MIGRATIONS = 0
+    _, agents = two_replicas
+    resp = await post(
+        alice_key, {"model": SMOLLM2, "messages": STORY, "max_tokens": 200, "stream": True}
+    )
+    serving = agents[resp["X-LlamaFleet-Replica"]]
+    chunks = []
+    async for chunk in resp.streaming_content:
+        chunks.append(chunk)
+        if len(chunks) == 4:
+            os.kill(serving.engine_pid(serving.replica_id), signal.SIGKILL)
+    last = json.loads(sse_payloads(chunks)[-1])
+    assert last["error"]["code"] == "replica_failed" and "SIGKILL" in last["error"]["message"]
+
+
+async def test_least_connections_sees_streams_of_other_processes(two_replicas, alice_key):
+    """In-flight counts live in Redis: a replica busy through another process is avoided."""
+    from apps.serving import balancer
+
+    _, agents = two_replicas
+    busy, idle = list(agents)
+    client = balancer._redis()
+    key = balancer._key(busy)
+    # Three streams another control-plane process holds, and one left by a dead process.
+    await client.zadd(key, {"other-1": time.time(), "other-2": time.time(), "other-3": time.time()})
+    await client.zadd(key, {"dead": time.time() - 10_000})
+    try:
+        assert (await balancer.in_flight([busy, idle])) == {busy: 3, idle: 0}
+        for _ in range(3):
+            resp = await post(alice_key, {"model": SMOLLM2, "messages": CHAT, "max_tokens": 2})
+            assert resp.status_code == 200
+            assert resp["X-LlamaFleet-Replica"] == idle
+    finally:
+        await client.delete(key)
+    # Each request released its count when it ended.
+    assert (await balancer.in_flight([busy, idle])) == {busy: 0, idle: 0}
+
+
+async def test_round_robin_alternates(two_replicas, alice_key):
+    from apps.deployments.models import Deployment
+
+    d, agents = two_replicas
+    await Deployment.objects.filter(pk=d.pk).aupdate(routing_policy="round_robin")
+    served = []
+    for _ in range(4):
+        resp = await post(alice_key, {"model": SMOLLM2, "messages": CHAT, "max_tokens": 2})
+        served.append(resp["X-LlamaFleet-Replica"])
+    assert set(served) == set(agents)
+    assert served[0] != served[1] and served[0] == served[2]
+
+
+async def test_a_draining_node_finishes_its_streams_and_gets_no_new_ones(
+    two_replicas, alice_key, reference_text
+):
+    from apps.nodes.models import Node
+    from apps.nodes.services import set_draining
+
+    _, agents = two_replicas
+    resp = await post(
+        alice_key,
+        {"model": SMOLLM2, "messages": CHAT, "max_tokens": 48, "temperature": 0, "stream": True},
+    )
+    first = agents[resp["X-LlamaFleet-Replica"]]
+    node = await Node.objects.aget(name=first.node.name)
+    await sync_to_async(set_draining)(node, True)
+    chunks = [chunk async for chunk in resp.streaming_content]
+    assert text_of(sse_payloads(chunks)) == reference_text(CHAT, 48)  # in flight: finished
+    for _ in range(3):
+        r = await post(alice_key, {"model": SMOLLM2, "messages": CHAT, "max_tokens": 2})
+        assert r["X-LlamaFleet-Replica"] != first.replica_id
+    await sync_to_async(set_draining)(node, False)
+
+
+async def test_beyond_the_in_flight_limit_requests_get_a_fast_429(
+    two_replicas, alice_key, settings
+):
+    settings.MAX_IN_FLIGHT = 1
+    rejected_before = metric(
+        "llamafleet_requests_total", model=SMOLLM2, deployment="", outcome="rejected"
+    )
+    resp = await post(
+        alice_key, {"model": SMOLLM2, "messages": STORY, "max_tokens": 100, "stream": True}
+    )
+    stream = resp.streaming_content
+    await anext(stream)  # the first stream is running
+    started = time.monotonic()
+    busy = await post(alice_key, {"model": SMOLLM2, "messages": CHAT, "max_tokens": 2})
+    assert time.monotonic() - started < 1.0
+    assert busy.status_code == 429 and busy["Retry-After"] == "1"
+    assert busy.json()["error"]["type"] == "rate_limit_error"
+    assert (
+        metric("llamafleet_requests_total", model=SMOLLM2, deployment="", outcome="rejected")
+        == rejected_before + 1
+    )
+    async for _ in stream:  # the first one ends; its place is free again
+        pass
+    ok = await post(alice_key, {"model": SMOLLM2, "messages": CHAT, "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+async def test_metrics_need_a_key_and_count_requests(two_replicas, alice_key):
+    assert (await AsyncClient().get("/metrics")).status_code == 401
+    await post(alice_key, {"model": SMOLLM2, "messages": CHAT, "max_tokens": 2})
+    resp = await AsyncClient().get("/metrics", headers={"Authorization": f"Bearer {alice_key}"})
+    body = resp.content.decode()
+    assert resp.status_code == 200
+    assert (
+        f'llamafleet_requests_total{{deployment="{SMOLLM2}",model="{SMOLLM2}",outcome="ok"}}'
+        in (body)
+    )
+    assert "llamafleet_time_to_first_token_seconds_bucket" in body
+
+
+# ---- over a real HTTP server ---------------------------------------------------------------
+
+
+@pytest.fixture
+def asgi_server(transactional_db):
+    """The ASGI application under uvicorn on a real socket, in a thread."""
+    import uvicorn
+
+    from controlplane.asgi import application
+
+    server = uvicorn.Server(
+        uvicorn.Config(application, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+async def test_a_client_that_hangs_up_frees_its_slot_at_once(two_replicas, alice_key, asgi_server):
+    from apps.serving import balancer
+
+    _, agents = two_replicas
+    body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 400, "stream": True}
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream(
+            "POST",
+            asgi_server + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {alice_key}"},
+        ) as resp:
+            replica = resp.headers["X-LlamaFleet-Replica"]
+            lines = 0
+            async for _ in resp.aiter_lines():
+                lines += 1
+                if lines == 6:
+                    break
+            assert agents[replica].agent.service.replicas[replica].engine.in_flight == 1
+    # The connection is closed: the agent's slot and the shared count go back to zero.
+    engine = agents[replica].agent.service.replicas[replica].engine
+    for _ in range(100):
+        if not engine.in_flight and not (await balancer.in_flight([replica]))[replica]:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.in_flight == 0
+    assert (await balancer.in_flight([replica]))[replica] == 0
