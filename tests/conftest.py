@@ -81,7 +81,7 @@ def settings_store(settings, model_store):
 class RunningAgent:
     """A real node agent serving gRPC on a real socket, in a thread with its own loop."""
 
-    def __init__(self, store: Path, name: str = "node-a"):
+    def __init__(self, store: Path, name: str = "node-a", metrics_listen: str = ""):
         import threading
 
         from workers.agent.server import Agent, AgentSettings
@@ -97,6 +97,7 @@ class RunningAgent:
             node_token=os.environ["LLAMAFLEET_NODE_TOKEN"],
             models_dir=str(store),
             threads=2,
+            metrics_listen=metrics_listen,
         )
 
         async def make():  # grpc.aio objects belong to the loop that creates them

@@ -189,3 +189,33 @@ def test_free_memory_stops_the_engine_and_is_idempotent(agent, stub):
     with pytest.raises(OSError):
         os.kill(pid, 0)
     assert not stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).replicas
+
+
+def test_metrics_need_the_node_token_and_describe_replicas(model_store):
+    """GET /metrics of an agent over a real socket."""
+    import httpx
+
+    from tests.conftest import RunningAgent
+
+    running = RunningAgent(model_store, metrics_listen="127.0.0.1:0")
+    try:
+        channel = grpc.insecure_channel(running.address)
+        stub = agent_pb2_grpc.NodeAgentStub(channel)
+        assert load(stub).state == pb.REPLICA_STATE_READY
+        list(stub.RunInference(chat(max_tokens=4), metadata=AUTH))
+        port = running.agent.metrics_server.sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}/metrics"
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(url.replace("/metrics", "/other"), headers=dict(AUTH)).status_code == 404
+        body = httpx.get(url, headers={"Authorization": AUTH[0][1]}).text
+        assert 'llamafleet_agent_replica_ready{model="smollm2",replica="r1"} 1.0' in body
+        assert 'llamafleet_agent_in_flight{model="smollm2",replica="r1"} 0.0' in body
+        assert (
+            'llamafleet_agent_generations_total{model="smollm2",outcome="length",replica="r1"} 1.0'
+            in body
+        )
+        assert 'llamafleet_agent_completion_tokens_total{model="smollm2",replica="r1"} 4.0' in body
+        channel.close()
+    finally:
+        running.close()

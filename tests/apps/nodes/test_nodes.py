@@ -73,3 +73,15 @@ def test_sweep_marks_quiet_nodes_unreachable_once(settings):
     services.record_heartbeat(REPORT)  # it came back
     node.refresh_from_db()
     assert node.state == Node.State.READY
+
+
+def test_drain_and_undrain_survive_heartbeats(settings, api):
+    agent_client(settings.NODE_TOKEN).post("/api/v1/agent/heartbeat", REPORT, format="json")
+    assert APIClient().post("/api/v1/nodes/gpu-box-1/drain/").status_code in (401, 403)
+    drained = api.post("/api/v1/nodes/gpu-box-1/drain/")
+    assert drained.status_code == 200 and drained.json()["draining"] is True
+    # The agent's next report refreshes liveness but leaves the operator's drain alone.
+    agent_client(settings.NODE_TOKEN).post("/api/v1/agent/heartbeat", REPORT, format="json")
+    assert Node.objects.get(name="gpu-box-1").draining is True
+    assert api.post("/api/v1/nodes/gpu-box-1/undrain/").json()["draining"] is False
+    assert api.post("/api/v1/nodes/nope/drain/").status_code == 404
