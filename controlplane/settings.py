@@ -132,7 +132,9 @@ SPECTACULAR_SETTINGS = {
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL]},
+        # channels-redis blocks 5 s per read (BZPOPMIN) and redis-py's default socket timeout
+        # is also 5 s: a longer one keeps idle sockets from failing with a TimeoutError.
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}]},
     }
 }
 

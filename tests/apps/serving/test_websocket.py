@@ -150,3 +150,16 @@ async def test_disconnect_frees_the_slot_at_once(deployed, alice_key):
             break
         await asyncio.sleep(0.05)
     assert service.replicas[deployed.replica_id].engine.in_flight == 0
+
+
+async def test_an_idle_socket_outlives_the_channel_layers_read_timeout(deployed, alice_key):
+    """Regression: channels-redis reads block 5 s, as long as redis-py's default timeout."""
+    comm, connected, _ = await connect(alice_key)
+    assert connected
+    await asyncio.sleep(6.5)
+    await comm.send_json_to(
+        {"type": "generate", "id": "late", "model": SMOLLM2, "messages": CHAT, "max_tokens": 2}
+    )
+    msgs = await collect(comm, "late")
+    assert msgs[-1]["type"] == "done"
+    await comm.disconnect()
