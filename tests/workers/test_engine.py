@@ -207,3 +207,33 @@ def test_resumed_generation_resends_text_held_back_for_a_stop_string(engine):
     )
     assert delivered + "".join(p[2] for p in rest) == text
     assert done[2] == "length" and done[3]["completion_tokens"] == 40
+
+
+def test_text_does_not_depend_on_what_runs_beside_it(smollm2_path, reference_text):
+    """More prompts than slots, joining while others decode: every text is its solo text."""
+    topics = [
+        "a dragon who learns to sail",
+        "a lighthouse keeper and a storm",
+        "a robot that paints the sea",
+        "a city under the ice",
+        "the last train of the night",
+        "a garden on the moon",
+        "a clock that runs backwards",
+        "a cat who runs a bakery",
+        "a map of forgotten islands",
+        "a violin found in an attic",
+    ]
+    prompts = [
+        [{"role": "user", "content": f"Write a long story about {t}.{extra}"}]
+        for extra in ("", " Make it funny.")
+        for t in topics
+    ]
+    e = BatchEngine(str(smollm2_path), context_length=2048, parallel=8, threads=2)
+    try:
+        reqs = [Request(f"p{i}", chat_tokens(e, p), 64, GREEDY) for i, p in enumerate(prompts)]
+        texts, _, errors = run(e, reqs)
+    finally:
+        e.close()
+    assert not errors
+    diverged = [i for i, p in enumerate(prompts) if texts[f"p{i}"] != reference_text(p, 64)]
+    assert diverged == []

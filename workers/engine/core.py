@@ -283,49 +283,80 @@ class BatchEngine:
         b.logits[i] = logits
 
     def step(self) -> list[tuple]:
-        """Decode one batch; returns events ("token", ...) and ("done", ...)."""
+        """Decode one step; returns events ("token", ...) and ("done", ...).
+
+        A step is one llama_decode with the next token of every decoding sequence, then one
+        with the next prompt chunk of a single waiting sequence. Keeping them apart makes
+        each sequence's numbers those of a solo run (llama.cpp splits a mixed batch into
+        other chunks, and a prompt chunked differently can change a greedy choice), so
+        greedy text does not depend on what else is running.
+        """
         events: list[tuple] = []
         self._admit(events)
         if not self.active:
             return events
         n = 0
-        # Decoding sequences first: one token each, so they never wait behind a prompt.
         for seq in self.active.values():
             seq.batch_index = -1
-            if seq.prefill_pos == len(seq.prefill):
-                self._add(n, seq.last_token, seq.n_past, seq.seq_id, True)
-                seq.batch_index = n
-                seq.n_past += 1
-                n += 1
-        # Then prompt chunks, in arrival order, in what is left of the batch. Resumed tokens
-        # go one per step, as they were first decoded: a chunk computes slightly different
-        # numbers, enough to change a greedy choice.
-        for seq in self.active.values():
-            prompt = seq.prefill
-            n_prompt = len(seq.req.prompt_tokens)
-            while seq.prefill_pos < len(prompt) and n < N_BATCH:
-                replaying = seq.prefill_pos >= n_prompt
-                last = seq.prefill_pos == len(prompt) - 1
-                self._add(n, prompt[seq.prefill_pos], seq.n_past, seq.seq_id, last)
-                if last:
-                    seq.batch_index = n
+            if seq.prefill_pos < len(seq.req.prompt_tokens):
+                continue
+            if seq.prefill_pos < len(seq.prefill):
+                # A resumed token: decoded alone per step, as it was first produced.
+                last = seq.prefill_pos == len(seq.prefill) - 1
+                self._add(n, seq.prefill[seq.prefill_pos], seq.n_past, seq.seq_id, last)
                 seq.prefill_pos += 1
-                seq.n_past += 1
+                if not last:
+                    seq.n_past += 1
+                    n += 1
+                    continue
+            else:
+                self._add(n, seq.last_token, seq.n_past, seq.seq_id, True)
+            seq.batch_index = n
+            seq.n_past += 1
+            n += 1
+        if n and not self._decode(n, events):
+            return events
+        self._sample(events)
+        prompt = next(
+            (q for q in self.active.values() if q.prefill_pos < len(q.req.prompt_tokens)), None
+        )
+        if prompt is not None:
+            n = 0
+            tokens = prompt.req.prompt_tokens
+            end = min(len(tokens), prompt.prefill_pos + N_BATCH)
+            for pos in range(prompt.prefill_pos, end):
+                # The prompt's last token gives logits, unless resumed tokens follow it.
+                last = pos == len(prompt.prefill) - 1
+                self._add(n, tokens[pos], prompt.n_past, prompt.seq_id, last)
+                if last:
+                    prompt.batch_index = n
+                prompt.n_past += 1
                 n += 1
-                if replaying:
-                    break
+            prompt.prefill_pos = end
+            if not self._decode(n, events):
+                return events
+            self._sample(events)
+        return events
+
+    def _decode(self, n: int, events: list[tuple]) -> bool:
         self.batch.n_tokens = n
         rc = L.llama_decode(self.ctx, self.batch)
         if rc != 0:
-            # Fail what was in this batch rather than the whole engine.
-            return events + [
+            # Fail what is running rather than the whole engine.
+            events.extend(
                 self._fail(seq, "ENGINE_FAILED", f"llama_decode failed with code {rc}")
                 for seq in list(self.active.values())
-            ]
+            )
+            return False
+        return True
+
+    def _sample(self, events: list[tuple]) -> None:
+        """Sample every sequence whose logits the last decode produced."""
         for seq in list(self.active.values()):
             if seq.batch_index < 0:
                 continue
             token = L.llama_sampler_sample(seq.sampler, self.ctx, seq.batch_index)
+            seq.batch_index = -1
             if not seq.first_token_at:
                 seq.first_token_at = time.monotonic()
             if L.llama_vocab_is_eog(self.vocab, token):  # not counted, as OpenAI does
@@ -342,7 +373,6 @@ class BatchEngine:
             elif seq.generated >= seq.limit:
                 events.extend(self._flush(seq, final=True))
                 events.append(self._finish(seq, "length"))
-        return events
 
     def _push_text(self, seq: _Sequence, text: str, events: list[tuple]) -> bool:
         """Emit text, holding back what may begin a stop string; True when one matched."""
