@@ -6,8 +6,9 @@ disturbs `make run`, then measures side by side on SmolLM2 (greedy, 128 tokens):
 - single stream: llama-cpp-python in-process versus the stack over HTTP SSE and over the
   websocket, alternating rounds so that machine noise hits all alike (medians);
 - concurrency: one stream versus 8 concurrent streams, aggregate tokens/s (same prompts);
-- failover: 20 concurrent streams over 2 replicas, one replica's engine killed with SIGKILL
-  mid-flight; every stream must complete with the text of an uninterrupted run.
+- failover: 20 concurrent streams over 2 replicas (8 slots each, the rest queued), one
+  replica's engine killed with SIGKILL once every stream has received tokens; every stream
+  must complete with the text of an uninterrupted run.
 
 Writes bench/results/serving.json. Usage: .venv/bin/python bench/serving.py [--rounds 7]
 """
@@ -154,7 +155,9 @@ def _result(start, first, end, pieces, tokens=None) -> dict:
     }
 
 
-async def sse(client: httpx.AsyncClient, key: str, i: int, tokens: int) -> dict:
+async def sse(
+    client: httpx.AsyncClient, key: str, i: int, tokens: int, progress: list | None = None
+) -> dict:
     body = {
         "model": MODEL,
         "messages": messages(i),
@@ -184,6 +187,8 @@ async def sse(client: httpx.AsyncClient, key: str, i: int, tokens: int) -> dict:
             if text:
                 first = first or time.perf_counter()
                 pieces.append(text)
+                if progress is not None:
+                    progress[i] = len(pieces)
     end = time.perf_counter()
     return _result(start, first, end, pieces, usage["completion_tokens"] if usage else None)
 
@@ -275,8 +280,11 @@ async def failover(llm: Llama, key: str, tokens: int, n: int = 20) -> dict:
     victim = next(r for r in nodes[0]["reported_replicas"] if r["state"] == "ready")
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
         t0 = time.perf_counter()
-        tasks = [asyncio.create_task(sse(client, key, i, tokens)) for i in range(n)]
-        await asyncio.sleep(1.5)  # every stream has started and sent tokens
+        progress = [0] * n
+        tasks = [asyncio.create_task(sse(client, key, i, tokens, progress)) for i in range(n)]
+        # Every stream has sent tokens: a kill now means migrations, not retries.
+        while min(progress) < 8:  # noqa: ASYNC110 (a harness polling its own counters)
+            await asyncio.sleep(0.05)
         os.kill(victim["pid"], signal.SIGKILL)
         killed_at = time.perf_counter() - t0
         results = await asyncio.gather(*tasks, return_exceptions=True)

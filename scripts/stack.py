@@ -184,6 +184,8 @@ class Stack:
                 "--port",
                 str(self.port),
                 "--no-access-log",
+                "--log-level",
+                "warning",  # uvicorn logs websocket URLs at info, query-string keys included
             ],
         )
         self.start(
