@@ -65,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         help="address of GET /metrics, node token as Bearer; empty for none "
         "(LLAMAFLEET_AGENT_METRICS; default 127.0.0.1:9464)",
     )
+    a.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=float(_env("LLAMAFLEET_STREAM_INTERVAL_MS", "20")),
+        help="merge a stream's pieces produced within this many ms into one message; the "
+        "first is never held (LLAMAFLEET_STREAM_INTERVAL_MS; default 20, 0 for one per token)",
+    )
     args = parser.parse_args(argv)
 
     token = _env("LLAMAFLEET_NODE_TOKEN")
@@ -87,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         heartbeat_seconds=args.heartbeat,
         metrics_listen=args.metrics_listen,
+        stream_interval_ms=args.stream_interval_ms,
     )
     asyncio.run(serve(settings))
     return 0

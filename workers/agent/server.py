@@ -36,6 +36,7 @@ class AgentSettings:
     threads: int = 0
     heartbeat_seconds: float = 5.0
     metrics_listen: str = ""  # host:port of GET /metrics (node token as Bearer); "" for none
+    stream_interval_ms: float = 20.0  # pieces of one stream closer than this are merged
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -120,6 +121,7 @@ class Agent:
             ModelStore(settings.models_dir, settings.node_token),
             threads=settings.threads,
             on_change=self._changed,
+            stream_interval=settings.stream_interval_ms / 1000,
         )
         self.server = grpc.aio.server(interceptors=[TokenInterceptor(settings.node_token)])
         agent_pb2_grpc.add_NodeAgentServicer_to_server(self.service, self.server)

@@ -87,10 +87,12 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         store: ModelStore,
         threads: int = 0,
         on_change: Callable[[], None] | None = None,
+        stream_interval: float = 0.0,
     ):
         self.node_name = node_name
         self.store = store
         self.threads = threads or system.cpu_cores()
+        self.stream_interval = stream_interval
         self.replicas: dict[str, Replica] = {}
         self._on_change = on_change or (lambda: None)
         self.metrics = AgentMetrics(self)
@@ -128,6 +130,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             parallel=request.parallel or 1,
             threads=request.threads or self.threads,
             chat_template=request.chat_template,
+            stream_interval=self.stream_interval,
         )
         engine = EngineProcess(config, on_state_change=lambda _e: self._on_change())
         replica = Replica(request, engine)

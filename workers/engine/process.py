@@ -18,7 +18,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ class EngineConfig:
     threads: int
     max_queue: int = 64
     chat_template: str = ""  # used when the file has none
+    stream_interval: float = 0.0  # seconds; see Outbox
 
 
 # ---- child side ----------------------------------------------------------------------
@@ -69,6 +69,54 @@ def _build_prompt(engine, formatter, payload: dict) -> list[int]:
             raise EngineError("INVALID_ARGUMENT", f"chat template: {exc}") from exc
         return engine.tokenize(rendered, add_bos=False, special=True)
     return engine.tokenize(payload.get("prompt", ""), add_bos=True, special=True)
+
+
+class Outbox:
+    """Sends engine events to the agent, merging text a request produces in quick succession.
+
+    A request's first piece goes at once (time to first token). Later pieces wait until
+    `interval` seconds have passed since its last send, so fast decoding costs one message
+    per few tokens all along the chain (pipe, gRPC, SSE) instead of one per token; a slow
+    one is not delayed at all. Done and error events flush what is held first.
+    """
+
+    def __init__(self, conn, interval: float):
+        self.conn = conn
+        self.interval = interval
+        self.held: dict[str, list] = {}  # id -> [text, token_ids]
+        self.last: dict[str, float] = {}  # id -> time of its last piece
+        self.index: dict[str, int] = {}  # id -> index of its next piece
+
+    def send(self, event: tuple) -> None:
+        kind, rid = event[0], event[1]
+        if kind == "token":
+            held = self.held.setdefault(rid, ["", []])
+            held[0] += event[2]
+            held[1].extend(event[4])
+            now = time.monotonic()
+            if now - self.last.get(rid, float("-inf")) >= self.interval:
+                self._flush(rid, now)
+            return
+        if kind in ("done", "error"):
+            self._flush(rid, 0.0)
+            self.last.pop(rid, None)
+            self.index.pop(rid, None)
+        self.conn.send(event)
+
+    def tick(self) -> None:
+        """Send what has waited long enough (called after every decode step)."""
+        now = time.monotonic()
+        for rid in [r for r in self.held if now - self.last.get(r, 0.0) >= self.interval]:
+            self._flush(rid, now)
+
+    def _flush(self, rid: str, now: float) -> None:
+        held = self.held.pop(rid, None)
+        if held is None:
+            return
+        index = self.index.get(rid, 0)
+        self.index[rid] = index + 1
+        self.last[rid] = now
+        self.conn.send(("token", rid, held[0], index, held[1]))
 
 
 def child_main(conn, config: EngineConfig) -> None:
@@ -112,6 +160,7 @@ def child_main(conn, config: EngineConfig) -> None:
         )
     )
 
+    out = Outbox(conn, config.stream_interval)
     running = True
     while running:
         # Block while idle; between decode steps only look at what is already there.
@@ -136,10 +185,10 @@ def child_main(conn, config: EngineConfig) -> None:
                         )
                     )
                 except EngineError as exc:
-                    conn.send(("error", rid, exc.code, exc.message))
+                    out.send(("error", rid, exc.code, exc.message))
             elif kind == "cancel":
                 for event in engine.cancel(msg[1]):
-                    conn.send(event)
+                    out.send(event)
             elif kind == "tokenize":
                 _, cid, payload = msg
                 try:
@@ -156,7 +205,8 @@ def child_main(conn, config: EngineConfig) -> None:
             timeout = 0
         if running and not engine.idle():
             for event in engine.step():
-                conn.send(event)
+                out.send(event)
+            out.tick()
     engine.close()
 
 
@@ -232,7 +282,8 @@ class EngineProcess:
         )
         self._proc.start()
         child.close()
-        threading.Thread(target=self._read_loop, name="engine-reader", daemon=True).start()
+        # Read the pipe on the loop itself: no thread hop per message.
+        loop.add_reader(parent.fileno(), self._on_readable)
         try:
             self.info = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
         except TimeoutError:
@@ -243,17 +294,19 @@ class EngineProcess:
         self._notify()
         return self.info
 
-    def _read_loop(self) -> None:
+    def _on_readable(self) -> None:
         conn = self._conn
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                break
-            self._loop.call_soon_threadsafe(self._dispatch, msg)
-        self._proc.join(5)
-        exitcode = self._proc.exitcode
-        self._loop.call_soon_threadsafe(self._on_gone, exitcode)
+        try:
+            while conn.poll(0):
+                self._dispatch(conn.recv())
+        except (EOFError, OSError):
+            self._loop.remove_reader(conn.fileno())
+            self._reaper = self._loop.create_task(self._reap())
+
+    async def _reap(self) -> None:
+        """The pipe closed: wait for the process to end and say how it did."""
+        await asyncio.to_thread(self._proc.join, 5)
+        self._on_gone(self._proc.exitcode)
 
     def _dispatch(self, msg: tuple) -> None:
         kind = msg[0]

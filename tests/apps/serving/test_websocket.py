@@ -53,7 +53,8 @@ async def test_tokens_stream_and_equal_llama_in_process(deployed, alice_key, ref
     msgs = await collect(comm, "g1")
     assert msgs[0]["type"] == "start" and msgs[0]["node"] == "node-a"
     tokens = [m for m in msgs if m["type"] == "token"]
-    assert len(tokens) > 3 and [t["index"] for t in tokens] == list(range(len(tokens)))
+    # The first piece goes at once; later ones may be merged (the agent's stream interval).
+    assert len(tokens) >= 2 and [t["index"] for t in tokens] == list(range(len(tokens)))
     assert "".join(t["text"] for t in tokens) == reference_text(CHAT, 48)
     assert msgs[-1]["type"] == "done" and msgs[-1]["usage"]["completion_tokens"] > 0
     await comm.disconnect()
