@@ -108,6 +108,30 @@ def completion_params(body) -> tuple[GenerationParams, bool, bool]:
     return GenerationParams(prompt=prompt, **_common(body)), stream, include_usage
 
 
+def embedding_params(body) -> tuple[str, list[str], str]:
+    """(model, texts, encoding_format) of a /v1/embeddings body."""
+    if not isinstance(body, dict):
+        raise _bad("the body must be a JSON object", "body")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required", "model")
+    texts = body.get("input")
+    if isinstance(texts, str):
+        texts = [texts]
+    if (
+        not isinstance(texts, list)
+        or not 1 <= len(texts) <= 2048
+        or not all(isinstance(t, str) and t for t in texts)
+    ):
+        raise _bad("'input' must be a non-empty string or a list of 1 to 2048 of them", "input")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise _bad("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    if body.get("dimensions") is not None:
+        raise _bad("'dimensions' is not supported: the model's own size is returned", "dimensions")
+    return model, texts, encoding
+
+
 def _stream_flags(body: dict) -> tuple[bool, bool]:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

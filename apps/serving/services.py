@@ -380,25 +380,57 @@ class _Slot:
         metrics.IN_FLIGHT.labels(self.model).dec()
 
 
+async def _targets_or_error(model: str) -> list[Target]:
+    targets = await ready_targets(model)
+    if not targets and not await CatalogModel.objects.filter(name=model).aexists():
+        raise ServingError(
+            404, f"The model '{model}' does not exist", code="model_not_found", param="model"
+        )
+    if not targets:
+        raise ServingError(
+            503,
+            f"no ready replica serves '{model}'; deploy it first",
+            "server_error",
+            "no_replica",
+            retry_after=5,
+        )
+    return targets
+
+
+async def embed(model: str, texts: list[str]) -> tuple[list[list[float]], int, Target]:
+    """Embeddings of texts from one replica of the model (another if it fails)."""
+    targets = await _targets_or_error(model)
+    last: ServingError | None = None
+    for target in targets[:MAX_ATTEMPTS]:
+        key = f"embed:{uuid.uuid4().hex}"
+        await balancer.acquire(target.replica_id, key)
+        try:
+            reply = await agent_client.aio_stub(target.address).Embed(
+                pb.EmbedRequest(replica_id=target.replica_id, input=texts),
+                metadata=agent_client.metadata(),
+                timeout=settings.REQUEST_TIMEOUT_SECONDS,
+            )
+        except grpc.aio.AioRpcError as exc:
+            last = _error_from_rpc(exc)
+            if last.param == "messages":
+                last.param = "input"
+            if _replica_lost(exc):
+                metrics.RETRIES.labels(model).inc()
+                continue
+            raise last from None
+        finally:
+            balancer.release(target.replica_id, key)
+        return [list(e.values) for e in reply.data], reply.prompt_tokens, target
+    raise last or ServingError(503, "no replica could serve the request", "server_error")
+
+
 async def start_generation(params: GenerationParams) -> Generation:
     """Route to a replica and return once its first message is in hand.
 
     Errors before the first message surface here as ServingError, so that an HTTP caller
     still gets a proper status code.
     """
-    targets = await ready_targets(params.model)
-    if not targets and not await CatalogModel.objects.filter(name=params.model).aexists():
-        raise ServingError(
-            404, f"The model '{params.model}' does not exist", code="model_not_found", param="model"
-        )
-    if not targets:
-        raise ServingError(
-            503,
-            f"no ready replica serves '{params.model}'; deploy it first",
-            "server_error",
-            "no_replica",
-            retry_after=5,
-        )
+    targets = await _targets_or_error(params.model)
     gen = Generation(params)
     await gen._open(targets, None)
     return gen

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
@@ -20,6 +22,7 @@ from apps.serving.services import (
     GenerationParams,
     Piece,
     ServingError,
+    embed,
     generate,
     now,
     served_models,
@@ -190,6 +193,38 @@ async def chat_completions(request):
 @require_POST
 async def completions(request):
     return await _serve(request, openai.completion_params, "text")
+
+
+@csrf_exempt
+@require_POST
+async def embeddings(request):
+    """OpenAI's /v1/embeddings: mean-pooled, L2-normalised vectors from a deployed model."""
+    try:
+        await _authenticate(request)
+        model, texts, encoding = openai.embedding_params(_parse_json(request))
+        vectors, n_tokens, target = await embed(model, texts)
+    except ServingError as err:
+        return error_response(err)
+
+    def encode(v: list[float]):
+        if encoding == "float":
+            return v
+        return base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
+
+    response = JsonResponse(
+        {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": encode(v)}
+                for i, v in enumerate(vectors)
+            ],
+            "model": model,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        }
+    )
+    response["X-LlamaFleet-Node"] = target.node_name
+    response["X-LlamaFleet-Replica"] = target.replica_id
+    return response
 
 
 @require_GET

@@ -267,3 +267,36 @@ def test_outbox_sends_the_first_piece_at_once_and_merges_the_rest():
     time.sleep(0.02)
     slow.tick()  # waited long enough: sent without a new piece arriving
     assert [m[2:4] for m in pipe] == [("x", 0), ("y", 1)]
+
+
+def test_embeddings_equal_llama_in_process(engine, smollm2_path):
+    import math
+
+    from llama_cpp import LLAMA_POOLING_TYPE_MEAN, Llama
+
+    texts = ["The sea is calm tonight.", "A recipe for bread", "x"]
+    vectors, n_tokens = engine.embed(texts)
+    ref = Llama(
+        str(smollm2_path),
+        n_ctx=512,
+        n_batch=512,
+        n_threads=2,
+        embedding=True,
+        pooling_type=LLAMA_POOLING_TYPE_MEAN,
+        verbose=False,
+    )
+    expected = ref.embed(texts, normalize=True)
+    assert n_tokens == sum(len(ref.tokenize(t.encode())) for t in texts)
+    for got, want in zip(vectors, expected, strict=True):
+        assert len(got) == 576
+        assert math.isclose(sum(x * x for x in got), 1.0, rel_tol=1e-5)
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+    # Similar texts are closer than unrelated ones, and generation is untouched.
+    a, b, c = engine.embed(["I love the ocean.", "I adore the sea.", "Tax forms are due."])[0]
+    dot = lambda u, v: sum(x * y for x, y in zip(u, v, strict=True))  # noqa: E731
+    assert dot(a, b) > dot(a, c)
+    with pytest.raises(EngineError) as err:
+        engine.embed(["word " * 600])
+    assert err.value.code == "CONTEXT_LENGTH_EXCEEDED"
+    texts_after, _, _ = run(engine, [Request("g", chat_tokens(engine), 8, GREEDY)])
+    assert texts_after["g"]

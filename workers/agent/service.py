@@ -189,6 +189,18 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             await abort(context, exc)
         return pb.TokenizeResponse(tokens=tokens, context_length=n_ctx)
 
+    async def Embed(self, request, context):
+        try:
+            replica = self._replica(request.replica_id)
+            if not request.input:
+                raise EngineError("INVALID_ARGUMENT", "input is empty")
+            vectors, n_tokens = await replica.engine.embed(list(request.input))
+        except EngineError as exc:
+            await abort(context, exc)
+        return pb.EmbedResponse(
+            data=[pb.Embedding(values=v) for v in vectors], prompt_tokens=n_tokens
+        )
+
     async def GetStatus(self, request, context):
         return self.status()
 

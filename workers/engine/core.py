@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import math
 import random
 import time
 from collections import deque
@@ -109,6 +110,7 @@ class BatchEngine:
         cparams.n_seq_max = self.parallel
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
+        self.threads = threads
         # One KV stream per slot, not a unified cache: a sequence then sits at the same
         # cells as it would alone, so attention sums in the same order and greedy text is
         # the same whatever else is batched with it (measured: a unified cache diverges).
@@ -129,6 +131,55 @@ class BatchEngine:
         self.waiting: deque[Request] = deque()
         self.active: dict[str, _Sequence] = {}
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self._embed_ctx = None  # made at the first embedding request
+        self._embed_batch = None
+
+    # ---- embeddings -------------------------------------------------------------------
+
+    def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
+        """Mean-pooled, L2-normalised embeddings and the number of tokens read.
+
+        A context of its own (embeddings on, mean pooling, one sequence) so that generation
+        state is untouched; each input is decoded whole, in one batch.
+        """
+        if self._embed_ctx is None:
+            cparams = L.llama_context_default_params()
+            cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = self.context_length
+            cparams.n_seq_max = 1
+            cparams.n_threads = cparams.n_threads_batch = self.threads
+            cparams.embeddings = True
+            cparams.pooling_type = L.LLAMA_POOLING_TYPE_MEAN
+            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            self._embed_ctx = L.llama_init_from_model(self.model, cparams)
+            if not self._embed_ctx:
+                raise EngineError(
+                    "ENGINE_FAILED", "llama.cpp could not create an embedding context"
+                )
+            self._embed_batch = L.llama_batch_init(self.context_length, 0, 1)
+        n_embd = L.llama_model_n_embd(self.model)
+        memory = L.llama_get_memory(self._embed_ctx)
+        out, total = [], 0
+        for i, text in enumerate(texts):
+            tokens = self.tokenize(text, add_bos=True, special=False)
+            if not tokens or len(tokens) > self.context_length:
+                raise EngineError(
+                    "CONTEXT_LENGTH_EXCEEDED" if tokens else "INVALID_ARGUMENT",
+                    f"input {i} has {len(tokens)} tokens; it must have 1 to "
+                    f"{self.context_length} (the context window)",
+                )
+            total += len(tokens)
+            b = self._embed_batch
+            for pos, token in enumerate(tokens):
+                b.token[pos], b.pos[pos], b.n_seq_id[pos] = token, pos, 1
+                b.seq_id[pos][0], b.logits[pos] = 0, True
+            b.n_tokens = len(tokens)
+            L.llama_memory_clear(memory, True)
+            if L.llama_decode(self._embed_ctx, b) != 0:
+                raise EngineError("ENGINE_FAILED", "llama_decode failed while embedding")
+            vec = L.llama_get_embeddings_seq(self._embed_ctx, 0)[:n_embd]
+            norm = math.sqrt(sum(x * x for x in vec)) or 1.0
+            out.append([x / norm for x in vec])
+        return out, total
 
     # ---- vocabulary -------------------------------------------------------------------
 
@@ -438,6 +489,9 @@ class BatchEngine:
         return ("error", seq.req.request_id, code, message)
 
     def close(self) -> None:
+        if self._embed_ctx is not None:
+            L.llama_batch_free(self._embed_batch)
+            L.llama_free(self._embed_ctx)
         L.llama_batch_free(self.batch)
         L.llama_free(self.ctx)
         L.llama_model_free(self.model)

@@ -5,9 +5,10 @@ no Python exception to catch. So each replica's model lives in its own process; 
 talks to it over a pipe and learns of its death from the pipe closing.
 
 Messages are tuples. Agent -> engine: ("generate", id, payload), ("cancel", id),
-("tokenize", id, payload), ("shutdown",). Engine -> agent: ("ready", info),
-("load_error", code, message), ("token", id, text, index, token_ids), ("done", id, reason, usage,
-timings), ("error", id, code, message), ("tokens", id, tokens, context_length).
+("tokenize", id, payload), ("embed", id, texts), ("shutdown",). Engine -> agent:
+("ready", info), ("load_error", code, message), ("token", id, text, index, token_ids),
+("done", id, reason, usage, timings), ("error", id, code, message),
+("tokens", id, tokens, context_length), ("embeddings", id, vectors, n_tokens).
 """
 
 from __future__ import annotations
@@ -199,6 +200,13 @@ def child_main(conn, config: EngineConfig) -> None:
                     conn.send(("tokens", cid, tokens, engine.context_length))
                 except EngineError as exc:
                     conn.send(("error", cid, exc.code, exc.message))
+            elif kind == "embed":
+                _, cid, texts = msg
+                try:
+                    vectors, n_tokens = engine.embed(texts)
+                    conn.send(("embeddings", cid, vectors, n_tokens))
+                except EngineError as exc:
+                    conn.send(("error", cid, exc.code, exc.message))
             elif kind == "shutdown":
                 running = False
                 break
@@ -385,18 +393,27 @@ class EngineProcess:
                     pass
 
     async def tokenize(self, payload: dict) -> tuple[list[int], int]:
+        msg = await self._ask("tokenize", payload)
+        return msg[2], msg[3]
+
+    async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
+        msg = await self._ask("embed", texts)
+        return msg[2], msg[3]
+
+    async def _ask(self, kind: str, payload) -> tuple:
+        """One request, one answer (or an error) from the engine process."""
         self._require_ready()
-        rid = f"t{next(_ids)}"
+        rid = f"q{next(_ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
         try:
-            self._send(("tokenize", rid, payload))
+            self._send((kind, rid, payload))
             msg = await queue.get()
         finally:
             del self._streams[rid]
         if msg[0] == "error":
             raise EngineError(msg[2], msg[3])
-        return msg[2], msg[3]
+        return msg
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask the process to exit, then kill it if it does not."""

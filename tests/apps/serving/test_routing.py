@@ -282,3 +282,40 @@ async def test_a_client_that_hangs_up_frees_its_slot_at_once(two_replicas, alice
         await asyncio.sleep(0.05)
     assert engine.in_flight == 0
     assert (await balancer.in_flight([replica]))[replica] == 0
+
+
+async def test_embeddings_in_openais_shape(two_replicas, alice_key):
+    import base64
+    import struct
+
+    async def embeddings(body, key=alice_key):
+        return await AsyncClient().post(
+            "/v1/embeddings",
+            json.dumps(body),
+            content_type="application/json",
+            headers={"Authorization": f"Bearer {key}"} if key else {},
+        )
+
+    floats = await embeddings({"model": SMOLLM2, "input": ["hello there", "general kenobi"]})
+    assert floats.status_code == 200
+    body = floats.json()
+    assert body["object"] == "list" and body["model"] == SMOLLM2
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    assert len(body["data"][0]["embedding"]) == 576 and body["usage"]["prompt_tokens"] >= 4
+    packed = (
+        await embeddings({"model": SMOLLM2, "input": "hello there", "encoding_format": "base64"})
+    ).json()["data"][0]["embedding"]
+    vector = struct.unpack("<576f", base64.b64decode(packed))
+    assert max(abs(a - b) for a, b in zip(vector, body["data"][0]["embedding"], strict=True)) < 1e-6
+    for bad, param in (
+        ({"model": SMOLLM2, "input": []}, "input"),
+        ({"model": SMOLLM2, "input": "x", "dimensions": 64}, "dimensions"),
+        ({"model": SMOLLM2, "input": "x", "encoding_format": "hex"}, "encoding_format"),
+    ):
+        resp = await embeddings(bad)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+    too_long = await embeddings({"model": SMOLLM2, "input": "word " * 700})
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+    assert (await embeddings({"model": "nope", "input": "x"})).status_code == 404
+    assert (await embeddings({"model": SMOLLM2, "input": "x"}, key="")).status_code == 401

@@ -198,6 +198,28 @@ class TokenizeResponse(_message.Message):
     context_length: int
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ...) -> None: ...
 
+class EmbedRequest(_message.Message):
+    __slots__ = ("replica_id", "input")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    input: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replica_id: _Optional[str] = ..., input: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("data", "prompt_tokens")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    data: _containers.RepeatedCompositeFieldContainer[Embedding]
+    prompt_tokens: int
+    def __init__(self, data: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -57,6 +57,11 @@ class NodeAgentStub:
                 request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/llamafleet.agent.v1.NodeAgent/Embed',
+                request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/llamafleet.agent.v1.NodeAgent/GetStatus',
                 request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.GetStatusRequest.SerializeToString,
@@ -101,6 +106,13 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Mean-pooled, L2-normalised embeddings of each input, in a context apart from generation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Capacity, loaded replicas, memory in use and in-flight requests.
         """
@@ -130,6 +142,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.TokenizeRequest.FromString,
                     response_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.EmbedRequest.FromString,
+                    response_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.EmbedResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -248,6 +265,33 @@ class NodeAgent:
             '/llamafleet.agent.v1.NodeAgent/Tokenize',
             llamafleet_dot_agent_dot_v1_dot_agent__pb2.TokenizeRequest.SerializeToString,
             llamafleet_dot_agent_dot_v1_dot_agent__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llamafleet.agent.v1.NodeAgent/Embed',
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.EmbedRequest.SerializeToString,
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
