@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO := proto/llamafleet/agent/v1/agent.proto
 
-.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean
+.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,9 @@ proto: setup
 
 check-proto: setup
 	scripts/check_proto.sh $(PY)
+
+bench: setup
+	$(PY) bench/serving.py
 
 superuser: setup
 	$(PY) manage.py createsuperuser

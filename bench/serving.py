@@ -6,8 +6,9 @@ disturbs `make run`, then measures side by side on SmolLM2 (greedy, 128 tokens):
 - single stream: llama-cpp-python in-process versus the stack over HTTP SSE and over the
   websocket, alternating rounds so that machine noise hits all alike (medians);
 - concurrency: one stream versus 8 concurrent streams, aggregate tokens/s (same prompts);
+- engine batching: the engine alone, one sequence versus 8 (what the kernels allow);
 - failover: 20 concurrent streams over 2 replicas (8 slots each, the rest queued), one
-  replica's engine killed with SIGKILL once every stream has received tokens; every stream
+  replica's engine killed with SIGKILL once 16 streams have received tokens; every stream
   must complete with the text of an uninterrupted run.
 
 Writes bench/results/serving.json. Usage: .venv/bin/python bench/serving.py [--rounds 7]
@@ -271,6 +272,45 @@ async def concurrency(key: str, rounds: int, tokens: int, n: int = 8) -> dict:
     }
 
 
+def engine_batching(rounds: int, tokens: int, n: int = 8) -> dict:
+    """The engine alone, in this process: one sequence versus n, to separate the kernels'
+    batching gain from the stack's costs."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    sys.path.insert(0, str(ROOT))
+    from workers.engine.core import BatchEngine, Request, Sampling
+
+    engine = BatchEngine(str(local_model()), 2048, n, 2)
+    fmt = Jinja2ChatFormatter(
+        template=engine.meta("tokenizer.chat_template"),
+        eos_token=engine.eos_text(),
+        bos_token=engine.bos_text(),
+    )
+
+    def run(count: int) -> float:
+        for i in range(count):
+            prompt = engine.tokenize(fmt(messages=messages(i)).prompt, False, True)
+            engine.submit(Request(f"{count}-{i}", prompt, tokens, Sampling(temperature=0)))
+        start, produced = time.perf_counter(), 0
+        while not engine.idle():
+            for ev in engine.step():
+                if ev[0] == "done":
+                    produced += ev[3]["completion_tokens"]
+        return produced / (time.perf_counter() - start)
+
+    one, many = [], []
+    for _ in range(rounds):
+        one.append(run(1))
+        many.append(run(n))
+    engine.close()
+    return {
+        "sequences": n,
+        "one_sequence_tokens_per_s": statistics.median(one),
+        "aggregate_tokens_per_s": statistics.median(many),
+        "ratio": statistics.median(many) / statistics.median(one),
+    }
+
+
 async def failover(llm: Llama, key: str, tokens: int, n: int = 20) -> dict:
     api("POST", f"/api/v1/deployments/{MODEL}/scale/", key, json={"replicas": 2})
     wait_replicas(key, 2)
@@ -282,8 +322,9 @@ async def failover(llm: Llama, key: str, tokens: int, n: int = 20) -> dict:
         t0 = time.perf_counter()
         progress = [0] * n
         tasks = [asyncio.create_task(sse(client, key, i, tokens, progress)) for i in range(n)]
-        # Every stream has sent tokens: a kill now means migrations, not retries.
-        while min(progress) < 8:  # noqa: ASYNC110 (a harness polling its own counters)
+        # Every slot of both replicas holds a stream with tokens sent: a kill now means
+        # migrations (the queued rest are retried before their first token).
+        while sum(p >= 8 for p in progress) < 16:  # noqa: ASYNC110 (polling its own counters)
             await asyncio.sleep(0.05)
         os.kill(victim["pid"], signal.SIGKILL)
         killed_at = time.perf_counter() - t0
@@ -321,6 +362,8 @@ async def main_async(args) -> dict:
     print(json.dumps(result["single_stream"], indent=2), flush=True)
     result["concurrency"] = await concurrency(key, max(args.rounds // 2, 2), args.tokens)
     print(json.dumps(result["concurrency"], indent=2), flush=True)
+    result["engine_batching"] = engine_batching(max(args.rounds // 2, 2), args.tokens)
+    print(json.dumps(result["engine_batching"], indent=2), flush=True)
     result["failover"] = await failover(llm, key, args.tokens)
     print(json.dumps(result["failover"], indent=2), flush=True)
     return result

@@ -319,3 +319,19 @@ async def test_embeddings_in_openais_shape(two_replicas, alice_key):
     assert too_long.json()["error"]["code"] == "context_length_exceeded"
     assert (await embeddings({"model": "nope", "input": "x"})).status_code == 404
     assert (await embeddings({"model": SMOLLM2, "input": "x"}, key="")).status_code == 401
+
+
+async def test_a_generation_past_the_request_timeout_ends_with_a_timeout_error(
+    two_replicas, alice_key, settings
+):
+    settings.REQUEST_TIMEOUT_SECONDS = 0.6
+    resp = await post(
+        alice_key, {"model": SMOLLM2, "messages": STORY, "max_tokens": 400, "stream": True}
+    )
+    chunks = [chunk async for chunk in resp.streaming_content]
+    last = json.loads(sse_payloads(chunks)[-1])
+    assert last["error"]["code"] == "timeout"
+    # The replica is not blamed: the next request is served normally.
+    settings.REQUEST_TIMEOUT_SECONDS = 600
+    ok = await post(alice_key, {"model": SMOLLM2, "messages": CHAT, "max_tokens": 2})
+    assert ok.status_code == 200
