@@ -69,6 +69,8 @@ INSTALLED_APPS = [
     "apps.catalog",
     "apps.deployments",
     "apps.serving",
+    "apps.usage",
+    "django_celery_beat",
 ]
 
 MIDDLEWARE = [
@@ -149,8 +151,12 @@ CELERY_TASK_ROUTES = {
     "apps.catalog.tasks.*": {"queue": "jobs"},
     "apps.deployments.tasks.*": {"queue": "control"},
     "apps.nodes.tasks.*": {"queue": "control"},
+    "apps.usage.tasks.*": {"queue": "jobs"},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+#: Schedules live in the database (django-celery-beat): editable in the admin. Intervals that
+#: apps declare with controlplane.celery.every() are copied there when beat starts.
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_TASK_ALWAYS_EAGER = env.bool("LLAMAFLEET_CELERY_EAGER", default=False)
 
 # Fleet behaviour.
@@ -169,6 +175,9 @@ MAX_IN_FLIGHT = env.int("LLAMAFLEET_MAX_IN_FLIGHT", default=256)
 REQUEST_TIMEOUT_SECONDS = env.float("LLAMAFLEET_REQUEST_TIMEOUT", default=600.0)
 #: Times one stream may move to another replica after its replica fails mid-flight.
 MAX_MIGRATIONS = env.int("LLAMAFLEET_MAX_MIGRATIONS", default=2)
+
+# Costs: reports are in this currency; nodes priced in another are listed, not added.
+BILLING_CURRENCY = env.str("LLAMAFLEET_CURRENCY", default="USD")
 
 LOGGING = {
     "version": 1,

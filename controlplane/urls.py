@@ -9,6 +9,7 @@ api_v1 = [
     path("", include("apps.nodes.api.urls")),
     path("", include("apps.catalog.api.urls")),
     path("", include("apps.deployments.api.urls")),
+    path("", include("apps.usage.api.urls")),
     path("schema", SpectacularAPIView.as_view(), name="schema"),
     path("docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
 ]

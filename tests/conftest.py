@@ -253,3 +253,33 @@ def deployed(transactional_db, smollm2_model, registered_agent):
     assert d.state == Deployment.State.READY, d.error
     registered_agent.replica_id = str(replica.pk)
     return registered_agent
+
+
+@pytest.fixture
+def two_replicas(transactional_db, smollm2_model, model_store):
+    """One deployment, one replica on each of two real agents (node-a, node-b)."""
+    from apps.deployments import services
+    from apps.deployments.models import Deployment, Replica
+    from apps.nodes.services import record_heartbeat
+
+    agents = [RunningAgent(model_store, name) for name in ("node-a", "node-b")]
+    try:
+        d = Deployment.objects.create(
+            name=SMOLLM2,
+            model=smollm2_model,
+            replicas=2,
+            context_length=512,
+            parallel=4,
+            state=Deployment.State.DEPLOYING,
+        )
+        for a in agents:
+            a.node = record_heartbeat(a.status_payload())
+            replica = Replica.objects.create(deployment=d, node=a.node)
+            services.load(str(replica.pk))
+            a.replica_id = str(replica.pk)
+        d.refresh_from_db()
+        assert d.state == Deployment.State.READY, d.error
+        yield d, {a.replica_id: a for a in agents}
+    finally:
+        for a in agents:
+            a.close()

@@ -27,6 +27,7 @@ def test_celery_effective_config():
         "apps.deployments.tasks.reconcile_deployment": ("control", 120),
         "apps.deployments.tasks.free_replica": ("control", 90),
         "apps.nodes.tasks.sweep_stale_nodes": ("control", 60),
+        "apps.usage.tasks.make_report": ("jobs", 360),
     }
     for name, (queue, limit) in expected.items():
         assert tasks[name].time_limit == limit, name

@@ -32,6 +32,18 @@ class ApiKey(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    app = models.CharField(
+        max_length=100, blank=True, help_text="The application the key belongs to, for reports."
+    )
+    requests_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Most requests in any 60 s; empty for no limit."
+    )
+    tokens_per_day = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Most tokens (prompt + completion) per UTC day."
+    )
+    tokens_per_month = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Most tokens per calendar month (UTC)."
+    )
 
     objects = ApiKeyQuerySet.as_manager()
 

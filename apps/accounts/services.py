@@ -32,11 +32,17 @@ def bearer_from_header(value: str) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def create_key(name: str, owner=None, raw: str | None = None) -> tuple[ApiKey, str]:
-    """Create a key for owner (by default the first superuser, created if needed)."""
+def create_key(name: str, owner=None, raw: str | None = None, **fields) -> tuple[ApiKey, str]:
+    """Create a key for owner (by default the first superuser, created if needed); fields
+    are its app and limits."""
     if owner is None:
         owner = ensure_admin_user()
-    return ApiKey.generate(name, owner, raw)
+    key, raw = ApiKey.generate(name, owner, raw)
+    if fields:
+        for k, v in fields.items():
+            setattr(key, k, v)
+        key.save(update_fields=list(fields))
+    return key, raw
 
 
 def ensure_admin_user(username: str = "admin"):

@@ -11,6 +11,13 @@ class Node(models.Model):
     name = models.CharField(max_length=100, unique=True)
     address = models.CharField(max_length=255, help_text="host:port of the agent's gRPC server")
     state = models.CharField(max_length=20, choices=State.choices, default=State.READY)
+    price_per_hour = models.DecimalField(
+        max_digits=10,
+        decimal_places=4,
+        default=0,
+        help_text="What an hour of this node costs: a cloud price or amortised hardware.",
+    )
+    currency = models.CharField(max_length=3, default="USD")
     draining = models.BooleanField(
         default=False,
         help_text="Takes no new requests or replicas; requests in flight finish.",

@@ -55,12 +55,18 @@ def record_heartbeat(payload: dict) -> Node:
         "last_heartbeat_at": timezone.now(),
     }
     with transaction.atomic():
-        node, created = Node.objects.select_for_update().update_or_create(
-            name=name, defaults=fields
+        previous = (
+            Node.objects.select_for_update()
+            .filter(name=name)
+            .values_list("last_heartbeat_at", flat=True)
+            .first()
         )
+        node, created = Node.objects.update_or_create(name=name, defaults=fields)
         if created:
             log.info("node %s registered at %s", name, address)
-        node_reported.send(sender=Node, node=node, reported=replicas)
+        node_reported.send(
+            sender=Node, node=node, reported=replicas, previous_heartbeat_at=previous
+        )
     return node
 
 

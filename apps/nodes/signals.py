@@ -2,7 +2,8 @@
 
 from django.dispatch import Signal
 
-#: A heartbeat was recorded: sender=Node, reported=list of replica dicts.
+#: A heartbeat was recorded: sender=Node, node, reported=list of replica dicts,
+#: previous_heartbeat_at=datetime of the one before (None at registration).
 node_reported = Signal()
 #: A node stopped sending heartbeats: sender=Node, since=datetime of its last one.
 node_lost = Signal()

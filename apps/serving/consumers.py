@@ -19,6 +19,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from apps.serving import openai
 from apps.serving.services import Finished, Piece, ServingError, generate
+from apps.usage.services import Caller
 
 MAX_CONCURRENT = 16
 
@@ -77,7 +78,9 @@ class GenerationConsumer(AsyncJsonWebsocketConsumer):
 
     async def _run(self, gid: str, params) -> None:
         try:
-            async with aclosing(generate(params)) as events:
+            key, user = self.scope.get("api_key"), self.scope["user"]
+            caller = Caller.from_key(key) if key else Caller(user_id=user.pk)
+            async with aclosing(generate(params, caller, "websocket")) as events:
                 await self._relay(gid, events)
         except ServingError as err:
             await self._error(gid, err)

@@ -27,6 +27,7 @@ from apps.deployments.models import Deployment, Replica
 from apps.nodes import agent_client
 from apps.nodes.models import Node
 from apps.serving import balancer, metrics
+from apps.usage.services import Caller, QuotaExceeded, Usage, check_quota, record_soon
 
 log = logging.getLogger(__name__)
 
@@ -223,10 +224,12 @@ class Generation:
     on the agent, which frees the sequence's slot at once.
     """
 
-    def __init__(self, params: GenerationParams):
-        self.id = uuid.uuid4().hex
+    def __init__(self, params: GenerationParams, request_id: str = ""):
+        self.id = request_id or uuid.uuid4().hex
         self.params = params
         self.target: Target | None = None
+        self.served: list[Target] = []  # every replica that streamed, in order
+        self.prompt_tokens = 0
         self.migrations = 0
         self.started = time.monotonic()
         self.deadline = self.started + settings.REQUEST_TIMEOUT_SECONDS
@@ -266,6 +269,7 @@ class Generation:
                 )
                 continue
             self.target, self._call, self._first, self._key = target, call, first, key
+            self.served.append(target)
             return
         raise last or ServingError(503, "no replica could serve the request", "server_error")
 
@@ -311,6 +315,7 @@ class Generation:
                     yield self._finished(msg)
                     return
                 self._token_ids.extend(msg.token_ids)
+                self.prompt_tokens = msg.prompt_tokens or self.prompt_tokens
                 if msg.text:
                     if not self._first_token_at:
                         self._first_token_at = time.monotonic()
@@ -361,7 +366,6 @@ class _Slot:
     def __init__(self, model: str):
         global _in_flight
         if _in_flight >= settings.MAX_IN_FLIGHT:
-            metrics.REQUESTS.labels(model, "", "rejected").inc()
             raise ServingError(
                 429,
                 f"the server is streaming its limit of {settings.MAX_IN_FLIGHT} generations; "
@@ -397,8 +401,34 @@ async def _targets_or_error(model: str) -> list[Target]:
     return targets
 
 
-async def embed(model: str, texts: list[str]) -> tuple[list[list[float]], int, Target]:
-    """Embeddings of texts from one replica of the model (another if it fails)."""
+async def embed(
+    model: str, texts: list[str], caller: Caller | None = None
+) -> tuple[list[list[float]], int, Target]:
+    """Embeddings of texts from one replica of the model (another if it fails), metered."""
+    usage = Usage(uuid.uuid4().hex, caller, "embedding", model)
+    began = time.monotonic()
+    try:
+        await check_quota_or_429(caller, usage.request_id)
+        vectors, n_tokens, target = await _embed(model, texts)
+    except ServingError as err:
+        usage.outcome = "rejected" if err.status == 429 else "error"
+        usage.error_code = err.code or err.type
+        raise
+    else:
+        usage.outcome, usage.prompt_tokens = "ok", n_tokens
+        usage.deployment, usage.replicas, usage.nodes = (
+            target.deployment,
+            [target.replica_id],
+            [target.node_name],
+        )
+        return vectors, n_tokens, target
+    finally:
+        usage.duration = time.monotonic() - began
+        metrics.REQUESTS.labels(model, usage.deployment, usage.outcome).inc()
+        record_soon(usage)
+
+
+async def _embed(model: str, texts: list[str]) -> tuple[list[list[float]], int, Target]:
     targets = await _targets_or_error(model)
     last: ServingError | None = None
     for target in targets[:MAX_ATTEMPTS]:
@@ -424,44 +454,74 @@ async def embed(model: str, texts: list[str]) -> tuple[list[list[float]], int, T
     raise last or ServingError(503, "no replica could serve the request", "server_error")
 
 
-async def start_generation(params: GenerationParams) -> Generation:
+async def check_quota_or_429(caller: Caller | None, request_id: str) -> None:
+    try:
+        await check_quota(caller, request_id)
+    except QuotaExceeded as exc:
+        raise ServingError(
+            429, exc.message, exc.type, exc.code, retry_after=exc.retry_after
+        ) from None
+
+
+async def start_generation(params: GenerationParams, request_id: str = "") -> Generation:
     """Route to a replica and return once its first message is in hand.
 
     Errors before the first message surface here as ServingError, so that an HTTP caller
     still gets a proper status code.
     """
     targets = await _targets_or_error(params.model)
-    gen = Generation(params)
+    gen = Generation(params, request_id)
     await gen._open(targets, None)
     return gen
 
 
-async def generate(params: GenerationParams) -> AsyncIterator[Generation | Piece | Finished]:
+async def generate(
+    params: GenerationParams, caller: Caller | None = None, endpoint: str = "chat"
+) -> AsyncIterator[Generation | Piece | Finished]:
     """The whole serving path with accounting: the Generation once routed, then its events.
 
-    Every exit is counted in the metrics: finished, cancelled (the consumer stopped early),
-    rejected or failed (ServingError propagates to the caller).
+    Every exit is metered (a usage record, written in the background) and counted in the
+    metrics: finished, migrated, cancelled (the consumer stopped early), rejected (429) or
+    failed (ServingError propagates to the caller).
     """
-    slot = _Slot(params.model)
+    usage = Usage(uuid.uuid4().hex, caller, endpoint, params.model)
+    began = time.monotonic()
+    slot: _Slot | None = None
     gen: Generation | None = None
-    outcome, deployment = "cancelled", ""
+    finished: Finished | None = None
     try:
-        gen = await start_generation(params)
-        deployment = gen.target.deployment
+        await check_quota_or_429(caller, usage.request_id)
+        slot = _Slot(params.model)
+        gen = await start_generation(params, usage.request_id)
         yield gen
         async with aclosing(gen.events()) as events:
             async for ev in events:
                 if isinstance(ev, Finished):
-                    outcome = "migrated" if ev.migrations else "ok"
-                    _observe(params.model, deployment, ev)
+                    finished = ev
+                    usage.outcome = "migrated" if ev.migrations else "ok"
+                    _observe(params.model, gen.target.deployment, ev)
                 yield ev
     except ServingError as err:
-        outcome = "rejected" if err.status == 429 else "error"
-        metrics.ERRORS.labels(params.model, err.code or err.type).inc()
+        usage.outcome = "rejected" if err.status == 429 else "error"
+        usage.error_code = err.code or err.type
+        metrics.ERRORS.labels(params.model, usage.error_code).inc()
         raise
     finally:
-        slot.free()
-        metrics.REQUESTS.labels(params.model, deployment, outcome).inc()
+        if slot is not None:
+            slot.free()
+        usage.duration = time.monotonic() - began
+        if gen is not None and gen.served:
+            usage.deployment = gen.served[0].deployment
+            usage.replicas = [t.replica_id for t in gen.served]
+            usage.nodes = [t.node_name for t in gen.served]
+            usage.prompt_tokens = gen.prompt_tokens
+            usage.completion_tokens = (
+                finished.completion_tokens if finished else len(gen._token_ids)
+            )
+            if gen._first_token_at:
+                usage.time_to_first_token = gen._first_token_at - began
+        metrics.REQUESTS.labels(params.model, usage.deployment, usage.outcome).inc()
+        record_soon(usage)
 
 
 def _observe(model: str, deployment: str, f: Finished) -> None:

@@ -27,6 +27,7 @@ from apps.serving.services import (
     now,
     served_models,
 )
+from apps.usage.services import Caller
 
 
 def error_response(err: ServingError) -> JsonResponse:
@@ -36,13 +37,16 @@ def error_response(err: ServingError) -> JsonResponse:
     return response
 
 
-async def _authenticate(request: HttpRequest) -> None:
+async def _authenticate(request: HttpRequest) -> Caller:
+    """Who is calling: an API key (Bearer) or the console's session; else 401."""
     raw = bearer_from_header(request.headers.get("Authorization", ""))
-    if raw and await sync_to_async(authenticate_key)(raw):
-        return
-    user = await request.auser()  # the console's session
-    if user.is_authenticated:
-        return
+    key = await sync_to_async(authenticate_key)(raw) if raw else None
+    if key is not None:
+        return Caller.from_key(key)
+    if not raw:
+        user = await request.auser()  # the console's session
+        if user.is_authenticated:
+            return Caller(user_id=user.pk)
     raise ServingError(
         401,
         "Incorrect API key provided." if raw else "You didn't provide an API key.",
@@ -63,9 +67,9 @@ def _sse(data) -> bytes:
 
 async def _serve(request, parse: Callable, shape: str) -> HttpResponse:
     try:
-        await _authenticate(request)
+        caller = await _authenticate(request)
         params, stream, include_usage = parse(_parse_json(request))
-        events = generate(params)
+        events = generate(params, caller, "chat" if shape == "chat" else "completion")
         gen = await anext(events)  # routed: errors so far still get a status code
     except ServingError as err:
         return error_response(err)
@@ -200,9 +204,9 @@ async def completions(request):
 async def embeddings(request):
     """OpenAI's /v1/embeddings: mean-pooled, L2-normalised vectors from a deployed model."""
     try:
-        await _authenticate(request)
+        caller = await _authenticate(request)
         model, texts, encoding = openai.embedding_params(_parse_json(request))
-        vectors, n_tokens, target = await embed(model, texts)
+        vectors, n_tokens, target = await embed(model, texts, caller)
     except ServingError as err:
         return error_response(err)
 

@@ -249,21 +249,21 @@ def test_outbox_sends_the_first_piece_at_once_and_merges_the_rest():
 
     pipe = Pipe()
     out = Outbox(pipe, interval=60.0)  # nothing waits long enough during this test
-    out.send(("token", "a", "Hel", 0, [1]))
-    out.send(("token", "a", "lo", 1, [2]))
-    out.send(("token", "a", " you", 2, [3, 4]))
-    assert pipe == [("token", "a", "Hel", 0, [1])]
+    out.send(("token", "a", "Hel", 0, [1], 9))
+    out.send(("token", "a", "lo", 1, [2], 9))
+    out.send(("token", "a", " you", 2, [3, 4], 9))
+    assert pipe == [("token", "a", "Hel", 0, [1], 9)]
     out.tick()
     assert len(pipe) == 1
     out.send(("done", "a", "stop", {}, {}))
-    assert pipe[1:] == [("token", "a", "lo you", 1, [2, 3, 4]), ("done", "a", "stop", {}, {})]
+    assert pipe[1:] == [("token", "a", "lo you", 1, [2, 3, 4], 9), ("done", "a", "stop", {}, {})]
     fast = Outbox(pipe := Pipe(), interval=0.0)  # 0: one message per piece
     for i, text in enumerate("abc"):
-        fast.send(("token", "b", text, i, [i]))
+        fast.send(("token", "b", text, i, [i], 1))
     assert [m[2] for m in pipe] == ["a", "b", "c"]
     slow = Outbox(pipe := Pipe(), interval=0.01)
-    slow.send(("token", "c", "x", 0, [1]))
-    slow.send(("token", "c", "y", 1, [2]))
+    slow.send(("token", "c", "x", 0, [1], 1))
+    slow.send(("token", "c", "y", 1, [2], 1))
     time.sleep(0.02)
     slow.tick()  # waited long enough: sent without a new piece arriving
     assert [m[2:4] for m in pipe] == [("x", 0), ("y", 1)]

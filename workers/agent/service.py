@@ -161,7 +161,9 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             payload = inference_payload(request)
             async for event in replica.engine.generate(payload):
                 if event[0] == "token":
-                    yield pb.InferenceResponse(text=event[2], index=event[3], token_ids=event[4])
+                    yield pb.InferenceResponse(
+                        text=event[2], index=event[3], token_ids=event[4], prompt_tokens=event[5]
+                    )
                 else:
                     _, _, reason, usage, timings = event
                     self.metrics.finished(

@@ -450,7 +450,14 @@ class BatchEngine:
         return False
 
     def _piece(self, seq: _Sequence, text: str) -> tuple:
-        event = ("token", seq.req.request_id, text, seq.emitted, seq.new_tokens)
+        event = (
+            "token",
+            seq.req.request_id,
+            text,
+            seq.emitted,
+            seq.new_tokens,
+            len(seq.req.prompt_tokens),
+        )
         seq.emitted += 1
         seq.new_tokens = []
         return event

@@ -6,9 +6,10 @@ talks to it over a pipe and learns of its death from the pipe closing.
 
 Messages are tuples. Agent -> engine: ("generate", id, payload), ("cancel", id),
 ("tokenize", id, payload), ("embed", id, texts), ("shutdown",). Engine -> agent:
-("ready", info), ("load_error", code, message), ("token", id, text, index, token_ids),
-("done", id, reason, usage, timings), ("error", id, code, message),
-("tokens", id, tokens, context_length), ("embeddings", id, vectors, n_tokens).
+("ready", info), ("load_error", code, message),
+("token", id, text, index, token_ids, prompt_tokens), ("done", id, reason, usage, timings),
+("error", id, code, message), ("tokens", id, tokens, context_length),
+("embeddings", id, vectors, n_tokens).
 """
 
 from __future__ import annotations
@@ -84,14 +85,14 @@ class Outbox:
     def __init__(self, conn, interval: float):
         self.conn = conn
         self.interval = interval
-        self.held: dict[str, list] = {}  # id -> [text, token_ids]
+        self.held: dict[str, list] = {}  # id -> [text, token_ids, prompt_tokens]
         self.last: dict[str, float] = {}  # id -> time of its last piece
         self.index: dict[str, int] = {}  # id -> index of its next piece
 
     def send(self, event: tuple) -> None:
         kind, rid = event[0], event[1]
         if kind == "token":
-            held = self.held.setdefault(rid, ["", []])
+            held = self.held.setdefault(rid, ["", [], event[5]])
             held[0] += event[2]
             held[1].extend(event[4])
             now = time.monotonic()
@@ -117,7 +118,7 @@ class Outbox:
         index = self.index.get(rid, 0)
         self.index[rid] = index + 1
         self.last[rid] = now
-        self.conn.send(("token", rid, held[0], index, held[1]))
+        self.conn.send(("token", rid, held[0], index, held[1], held[2]))
 
 
 def child_main(conn, config: EngineConfig) -> None:
@@ -364,8 +365,7 @@ class EngineProcess:
             )
 
     async def generate(self, payload: dict) -> AsyncIterator[tuple]:
-        """Yield ("token", id, text, index, token_ids)..., then ("done", id, reason, usage,
-        timings)."""
+        """Yield "token" events, then one "done" event (see the module docstring)."""
         self._require_ready()
         rid = f"g{next(_ids)}"
         queue: asyncio.Queue = asyncio.Queue()

@@ -10,10 +10,12 @@ from apps.accounts.models import ApiKey
 class ApiKeyViewSet(
     mixins.ListModelMixin,
     mixins.RetrieveModelMixin,
+    mixins.UpdateModelMixin,
     mixins.DestroyModelMixin,
     viewsets.GenericViewSet,
 ):
-    """Your API keys. Creating one returns the key once; deleting revokes it."""
+    """Your API keys. Creating one returns the key once; deleting revokes it. Staff set limits:
+    requests per minute, tokens per day and per month (429 beyond them)."""
 
     serializer_class = ApiKeySerializer
 
@@ -22,9 +24,10 @@ class ApiKeyViewSet(
 
     @extend_schema(request=ApiKeySerializer, responses=NewApiKeySerializer)
     def create(self, request):
-        serializer = ApiKeySerializer(data=request.data)
+        serializer = ApiKeySerializer(data=request.data, context={"request": request})
         serializer.is_valid(raise_exception=True)
-        key, raw = services.create_key(serializer.validated_data["name"], owner=request.user)
+        fields = dict(serializer.validated_data)
+        key, raw = services.create_key(fields.pop("name"), owner=request.user, **fields)
         data = NewApiKeySerializer(key).data | {"key": raw}
         return Response(data, status=status.HTTP_201_CREATED)
 

@@ -14,6 +14,8 @@ class NodeSerializer(serializers.ModelSerializer):
             "address",
             "state",
             "draining",
+            "price_per_hour",
+            "currency",
             "version",
             "cpu_cores",
             "accelerators",
@@ -34,3 +36,8 @@ class NodeSerializer(serializers.ModelSerializer):
         if node.last_heartbeat_at is None:
             return None
         return round((timezone.now() - node.last_heartbeat_at).total_seconds(), 1)
+
+
+class NodePriceSerializer(serializers.Serializer):
+    price_per_hour = serializers.DecimalField(max_digits=10, decimal_places=4, min_value=0)
+    currency = serializers.RegexField(r"^[A-Z]{3}$", required=False)

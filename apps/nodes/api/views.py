@@ -1,12 +1,12 @@
 from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework import viewsets
+from rest_framework import permissions, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.nodes import services
 from apps.nodes.api.permissions import HasNodeToken
-from apps.nodes.api.serializers import NodeSerializer
+from apps.nodes.api.serializers import NodePriceSerializer, NodeSerializer
 from apps.nodes.models import Node
 
 
@@ -22,6 +22,18 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     def drain(self, request, name=None):
         """Stop routing new requests and replicas to the node; requests in flight finish."""
         node = services.set_draining(self.get_object(), True)
+        return Response(NodeSerializer(node).data)
+
+    @extend_schema(request=NodePriceSerializer, responses={200: NodeSerializer})
+    @action(detail=True, methods=["post"], permission_classes=[permissions.IsAdminUser])
+    def price(self, request, name=None):
+        """Set what an hour of the node costs (staff); later hours are billed at it."""
+        data = NodePriceSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        node = self.get_object()
+        for field, value in data.validated_data.items():
+            setattr(node, field, value)
+        node.save(update_fields=list(data.validated_data))
         return Response(NodeSerializer(node).data)
 
     @extend_schema(request=None, responses={200: NodeSerializer})

@@ -14,41 +14,11 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
-from tests.conftest import CHAT, SMOLLM2, RunningAgent
+from tests.conftest import CHAT, SMOLLM2
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 STORY = [{"role": "user", "content": "Write a long story."}]
-
-
-@pytest.fixture
-def two_replicas(transactional_db, smollm2_model, model_store):
-    """One deployment, one replica on each of two real agents (node-a, node-b)."""
-    from apps.deployments import services
-    from apps.deployments.models import Deployment, Replica
-    from apps.nodes.services import record_heartbeat
-
-    agents = [RunningAgent(model_store, name) for name in ("node-a", "node-b")]
-    try:
-        d = Deployment.objects.create(
-            name=SMOLLM2,
-            model=smollm2_model,
-            replicas=2,
-            context_length=512,
-            parallel=4,
-            state=Deployment.State.DEPLOYING,
-        )
-        for a in agents:
-            a.node = record_heartbeat(a.status_payload())
-            replica = Replica.objects.create(deployment=d, node=a.node)
-            services.load(str(replica.pk))
-            a.replica_id = str(replica.pk)
-        d.refresh_from_db()
-        assert d.state == Deployment.State.READY, d.error
-        yield d, {a.replica_id: a for a in agents}
-    finally:
-        for a in agents:
-            a.close()
 
 
 async def post(key, body):

@@ -165,20 +165,22 @@ class Timings(_message.Message):
     def __init__(self, time_to_first_token: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class InferenceResponse(_message.Message):
-    __slots__ = ("text", "index", "finish_reason", "usage", "timings", "token_ids")
+    __slots__ = ("text", "index", "finish_reason", "usage", "timings", "token_ids", "prompt_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     index: int
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("replica_id", "messages", "text")

@@ -1,0 +1,509 @@
+"""Metering, node-hours, quotas and reports.
+
+Usage records go straight to the database from a background task of the web process: not
+through Redis or Celery, so a Redis restart or a dead worker loses none, and not on the
+token stream's path. Quotas count in Redis and rebuild their counts from those records when
+Redis has lost them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import redis.asyncio as aioredis
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Count, F, Q, Sum
+from redis.exceptions import RedisError
+
+from apps.deployments.models import Replica
+from apps.usage.models import NodeUsage, Report, UsageRecord
+
+log = logging.getLogger(__name__)
+
+_pending: set[asyncio.Task] = set()
+_redis_clients: dict[int, aioredis.Redis] = {}
+
+
+# ---- who is asking ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The identity and limits of a request's API key (or a console user without one)."""
+
+    user_id: int | None
+    key_id: int | None = None
+    app: str = ""
+    requests_per_minute: int | None = None
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
+
+    @classmethod
+    def from_key(cls, key) -> Caller:
+        return cls(
+            user_id=key.owner_id,
+            key_id=key.pk,
+            app=key.app or key.name,
+            requests_per_minute=key.requests_per_minute,
+            tokens_per_day=key.tokens_per_day,
+            tokens_per_month=key.tokens_per_month,
+        )
+
+
+# ---- metering ------------------------------------------------------------------------------
+
+
+@dataclass
+class Usage:
+    """What one request used, as the serving path saw it."""
+
+    request_id: str
+    caller: Caller | None
+    endpoint: str
+    model: str
+    started: float = field(default_factory=time.time)  # epoch seconds
+    deployment: str = ""
+    replicas: list[str] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    time_to_first_token: float | None = None
+    outcome: str = UsageRecord.Outcome.CANCELLED
+    error_code: str = ""
+    duration: float = 0.0
+
+
+def record(u: Usage) -> UsageRecord:
+    """Store a usage record; recording the same request twice keeps the first."""
+    c = u.caller
+    try:
+        with transaction.atomic():
+            return UsageRecord.objects.create(
+                request_id=u.request_id,
+                api_key_id=c.key_id if c else None,
+                app=c.app if c else "",
+                user_id=c.user_id if c else None,
+                endpoint=u.endpoint,
+                model=u.model[:100],
+                deployment=u.deployment,
+                replicas=u.replicas,
+                nodes=u.nodes,
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                time_to_first_token_ms=(
+                    None if u.time_to_first_token is None else 1000 * u.time_to_first_token
+                ),
+                duration_ms=1000 * u.duration,
+                outcome=u.outcome,
+                error_code=u.error_code[:64],
+                started_at=datetime.fromtimestamp(u.started, UTC),
+            )
+    except IntegrityError:
+        return UsageRecord.objects.get(request_id=u.request_id)
+
+
+def record_soon(u: Usage) -> None:
+    """Store the record and count its tokens against the key's quotas, from a background
+    task: the stream never waits for the database."""
+
+    async def write():
+        await consume_tokens(u.caller, u.prompt_tokens + u.completion_tokens)
+        for attempt in range(3):
+            try:
+                await sync_to_async(record, thread_sensitive=False)(u)
+                return
+            except Exception:  # a busy or restarting database: try again, then say so
+                if attempt == 2:
+                    log.exception("usage record %s lost: %s", u.request_id, u)
+                await asyncio.sleep(0.5 * (attempt + 1))
+
+    task = asyncio.get_running_loop().create_task(write())
+    _pending.add(task)
+    task.add_done_callback(_pending.discard)
+
+
+async def flush() -> None:
+    """Wait for records still being written (tests, shutdown)."""
+    while _pending:
+        await asyncio.gather(*list(_pending), return_exceptions=True)
+
+
+# ---- node-hours ----------------------------------------------------------------------------
+
+
+def account_heartbeat(node, reported: list[dict], previous: datetime | None, now: datetime):
+    """Credit the time since the node's previous heartbeat to its hour, with who held it.
+
+    A gap longer than the heartbeat timeout counts only up to the timeout: the node was not
+    known to be up in between.
+    """
+    if previous is None:
+        return
+    seconds = min((now - previous).total_seconds(), settings.HEARTBEAT_TIMEOUT_SECONDS)
+    if seconds <= 0:
+        return
+    ids = [r["replica_id"] for r in reported if r.get("memory_bytes") and _is_uuid(r["replica_id"])]
+    owners = {
+        str(pk): (dep, model)
+        for pk, dep, model in Replica.objects.filter(pk__in=ids).values_list(
+            "pk", "deployment__name", "deployment__model__name"
+        )
+    }
+    hour = now.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    with transaction.atomic():
+        row, _ = NodeUsage.objects.select_for_update().get_or_create(
+            node=node, hour=hour, defaults={"currency": node.currency}
+        )
+        row.seconds += seconds
+        row.cost += (Decimal(str(seconds)) * node.price_per_hour / 3600).quantize(Decimal("1e-6"))
+        row.memory_total_bytes = max(row.memory_total_bytes, node.memory_total_bytes)
+        for r in reported:
+            owner = owners.get(r["replica_id"])
+            if owner is None:
+                continue
+            entry = row.held.setdefault(owner[0], {"model": owner[1], "byte_seconds": 0})
+            entry["byte_seconds"] += int(r["memory_bytes"] * seconds)
+        row.save()
+
+
+def _is_uuid(value: str) -> bool:
+    import uuid
+
+    try:
+        uuid.UUID(str(value))
+        return True
+    except ValueError:
+        return False
+
+
+# ---- quotas ----------------------------------------------------------------------------------
+
+
+class QuotaExceeded(Exception):
+    """A key is over one of its limits; the serving path answers 429."""
+
+    def __init__(self, type_: str, code: str, message: str, retry_after: int):
+        super().__init__(message)
+        self.type, self.code, self.message, self.retry_after = type_, code, message, retry_after
+
+
+def _redis() -> aioredis.Redis:
+    loop = id(asyncio.get_running_loop())
+    client = _redis_clients.get(loop)
+    if client is None:
+        client = _redis_clients[loop] = aioredis.Redis.from_url(
+            settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0
+        )
+    return client
+
+
+def _periods(now: datetime) -> dict[str, tuple[str, datetime, datetime]]:
+    day = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    month = day.replace(day=1)
+    next_month = (month + timedelta(days=32)).replace(day=1)
+    return {
+        "day": (day.strftime("%Y%m%d"), day, day + timedelta(days=1)),
+        "month": (month.strftime("%Y%m"), month, next_month),
+    }
+
+
+def _tokens_between(key_id: int, start: datetime, end: datetime) -> int:
+    total = UsageRecord.objects.filter(
+        api_key_id=key_id, started_at__gte=start, started_at__lt=end
+    ).aggregate(n=Sum(F("prompt_tokens") + F("completion_tokens")))["n"]
+    return int(total or 0)
+
+
+async def check_quota(caller: Caller | None, request_id: str) -> None:
+    """Raise QuotaExceeded when the key is over a limit; count the request otherwise.
+
+    When Redis does not answer, requests pass (logged): serving matters more than a limit.
+    """
+    if caller is None or caller.key_id is None:
+        return
+    limits = (caller.requests_per_minute, caller.tokens_per_day, caller.tokens_per_month)
+    if all(v is None for v in limits):
+        return
+    try:
+        await _check(caller, request_id)
+    except (RedisError, OSError) as exc:
+        log.warning("quotas not enforced (Redis: %s)", exc)
+
+
+async def _check(caller: Caller, request_id: str) -> None:
+    r = _redis()
+    now = time.time()
+    utc = datetime.fromtimestamp(now, UTC)
+    for name, limit in (("day", caller.tokens_per_day), ("month", caller.tokens_per_month)):
+        if limit is None:
+            continue
+        label, start, end = _periods(utc)[name]
+        key = f"llamafleet:tokens:{caller.key_id}:{label}"
+        used = await r.get(key)
+        if used is None:  # Redis lost it (or a new period): rebuild from the records
+            used = await sync_to_async(_tokens_between)(caller.key_id, start, end)
+            await r.set(key, used, nx=True, exat=int(end.timestamp()) + 86400)
+        if int(used) >= limit:
+            raise QuotaExceeded(
+                "insufficient_quota",
+                "insufficient_quota",
+                f"this key has used {int(used)} of its {limit} tokens per {name}; "
+                f"it resets at {end:%Y-%m-%d %H:%M} UTC",
+                max(int(end.timestamp() - now), 1),
+            )
+    if caller.requests_per_minute is not None:
+        key = f"llamafleet:rpm:{caller.key_id}"
+        pipe = r.pipeline(transaction=False)
+        pipe.zremrangebyscore(key, 0, now - 60)
+        pipe.zcard(key)
+        pipe.zrange(key, 0, 0, withscores=True)
+        _, count, oldest = await pipe.execute()
+        if count >= caller.requests_per_minute:
+            wait = math.ceil(oldest[0][1] + 60 - now) if oldest else 60
+            raise QuotaExceeded(
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                f"this key is limited to {caller.requests_per_minute} requests per minute",
+                max(wait, 1),
+            )
+        pipe = r.pipeline(transaction=False)
+        pipe.zadd(key, {request_id: now})
+        pipe.expire(key, 61)
+        await pipe.execute()
+
+
+async def consume_tokens(caller: Caller | None, tokens: int) -> None:
+    """Add a finished request's tokens to the key's running day and month counts."""
+    if caller is None or caller.key_id is None or not tokens:
+        return
+    if caller.tokens_per_day is None and caller.tokens_per_month is None:
+        return
+    try:
+        r = _redis()
+        pipe = r.pipeline(transaction=False)
+        for label, _, _ in _periods(datetime.now(UTC)).values():
+            key = f"llamafleet:tokens:{caller.key_id}:{label}"
+            # Only where the count exists: a missing one is rebuilt from the records.
+            pipe.eval(
+                "if redis.call('exists', KEYS[1]) == 1 then "
+                "return redis.call('incrby', KEYS[1], ARGV[1]) end return nil",
+                1,
+                key,
+                tokens,
+            )
+        await pipe.execute()
+    except (RedisError, OSError) as exc:
+        log.warning("token count not updated (Redis: %s)", exc)
+
+
+# ---- reports ---------------------------------------------------------------------------------
+
+
+def _money(d: Decimal) -> float:
+    return float(d.quantize(Decimal("1e-6")))
+
+
+def _per_million(cost: Decimal, tokens: int) -> float | None:
+    return _money(cost * 1_000_000 / tokens) if tokens else None
+
+
+def build_report(start: datetime, end: datetime) -> dict:
+    """Usage and cost over [start, end) from stored records only (so it is reproducible).
+
+    Node cost is split among deployments by the memory-time their replicas held on the node;
+    what no replica held is idle cost, shown apart. A deployment's cost is split among keys
+    by their share of its tokens.
+    """
+    currency = settings.BILLING_CURRENCY
+    records = UsageRecord.objects.filter(started_at__gte=start, started_at__lt=end)
+    fields = {
+        "requests": Count("id"),
+        "errors": Count("id", filter=Q(outcome__in=["error", "rejected"])),
+        "prompt_tokens": Sum("prompt_tokens"),
+        "completion_tokens": Sum("completion_tokens"),
+    }
+
+    def rows(*group):
+        out = {}
+        for row in records.values(*group).annotate(**fields).order_by(*group):
+            name = tuple(row.pop(g) for g in group)
+            row = {k: int(v or 0) for k, v in row.items()}
+            row["tokens"] = row["prompt_tokens"] + row["completion_tokens"]
+            out[name if len(name) > 1 else name[0]] = row
+        return out
+
+    by_model, by_deployment = rows("model"), rows("deployment")
+    by_key = rows("api_key_id", "app")
+    by_node_requests = {}
+    for nodes, n in records.values_list("nodes", "completion_tokens"):
+        for name in set(nodes or []):
+            entry = by_node_requests.setdefault(name, {"requests": 0, "completion_tokens": 0})
+            entry["requests"] += 1
+            entry["completion_tokens"] += n
+
+    dep_cost: dict[str, Decimal] = {}
+    dep_hours: dict[str, float] = {}
+    dep_model: dict[str, str] = {}
+    nodes: dict[str, dict] = {}
+    idle, warnings = Decimal(0), []
+    for u in NodeUsage.objects.filter(hour__gte=start, hour__lt=end).select_related("node"):
+        if u.currency != currency:
+            warnings.append(f"{u.node.name}: priced in {u.currency}, not {currency}; left out")
+            continue
+        capacity = u.memory_total_bytes * u.seconds
+        shares = {
+            dep: (h["byte_seconds"] / capacity if capacity else 0.0) for dep, h in u.held.items()
+        }
+        total = sum(shares.values())
+        if total > 1:  # never bill more than the node
+            shares = {dep: s / total for dep, s in shares.items()}
+            total = 1.0
+        for dep, share in shares.items():
+            dep_cost[dep] = dep_cost.get(dep, Decimal(0)) + u.cost * Decimal(str(share))
+            dep_hours[dep] = dep_hours.get(dep, 0.0) + u.seconds / 3600 * share
+            dep_model[dep] = u.held[dep]["model"]
+        node_idle = u.cost * Decimal(str(1 - total))
+        idle += node_idle
+        n = nodes.setdefault(
+            u.node.name,
+            {"node_hours": 0.0, "cost": Decimal(0), "idle_cost": Decimal(0), "held_hours": 0.0},
+        )
+        n["node_hours"] += u.seconds / 3600
+        n["cost"] += u.cost
+        n["idle_cost"] += node_idle
+        n["held_hours"] += u.seconds / 3600 * total
+
+    def finish(row: dict, cost: Decimal, hours: float | None = None) -> dict:
+        row = dict(row)
+        row["cost"] = _money(cost)
+        row["cost_per_million_tokens"] = _per_million(cost, row.get("tokens", 0))
+        if hours is not None:
+            row["node_hours"] = round(hours, 6)
+        return row
+
+    empty = {"requests": 0, "errors": 0, "prompt_tokens": 0, "completion_tokens": 0, "tokens": 0}
+    deployments = {
+        dep: finish(
+            by_deployment.get(dep, empty), dep_cost.get(dep, Decimal(0)), dep_hours.get(dep, 0.0)
+        )
+        for dep in sorted(set(by_deployment) | set(dep_cost))
+        if dep
+    }
+    model_cost: dict[str, Decimal] = {}
+    for dep, cost in dep_cost.items():
+        model_cost[dep_model[dep]] = model_cost.get(dep_model[dep], Decimal(0)) + cost
+    models = {
+        m: finish(by_model.get(m, empty), model_cost.get(m, Decimal(0)))
+        for m in sorted(set(by_model) | set(model_cost))
+    }
+    # Keys: each deployment's cost by the key's share of its tokens.
+    key_cost: dict[tuple, Decimal] = {}
+    for (key_id, app, dep), row in rows("api_key_id", "app", "deployment").items():
+        dep_tokens = by_deployment.get(dep, {}).get("tokens", 0)
+        if dep_tokens and dep in dep_cost:
+            share = Decimal(row["tokens"]) / Decimal(dep_tokens)
+            key_cost[(key_id, app)] = (
+                key_cost.get((key_id, app), Decimal(0)) + dep_cost[dep] * share
+            )
+    keys = [
+        {"api_key_id": key_id, "app": app} | finish(row, key_cost.get((key_id, app), Decimal(0)))
+        for (key_id, app), row in sorted(
+            by_key.items(), key=lambda kv: (str(kv[0][1]), str(kv[0][0]))
+        )
+    ]
+    node_rows = {}
+    for name in sorted(set(nodes) | set(by_node_requests)):
+        n = nodes.get(
+            name,
+            {"node_hours": 0.0, "cost": Decimal(0), "idle_cost": Decimal(0), "held_hours": 0.0},
+        )
+        served = by_node_requests.get(name, {"requests": 0, "completion_tokens": 0})
+        node_rows[name] = {
+            "node_hours": round(n["node_hours"], 6),
+            "cost": _money(n["cost"]),
+            "idle_cost": _money(n["idle_cost"]),
+            "utilisation": round(n["held_hours"] / n["node_hours"], 6) if n["node_hours"] else 0.0,
+            "requests": served["requests"],
+            "completion_tokens": served["completion_tokens"],
+        }
+    total_cost = sum((n["cost"] for n in nodes.values()), Decimal(0))
+    all_tokens = sum(r["tokens"] for r in by_model.values())
+    return {
+        "start": start.isoformat(),
+        "end": end.isoformat(),
+        "currency": currency,
+        "totals": {
+            "requests": sum(r["requests"] for r in by_model.values()),
+            "errors": sum(r["errors"] for r in by_model.values()),
+            "tokens": all_tokens,
+            "node_hours": round(sum(n["node_hours"] for n in nodes.values()), 6),
+            "cost": _money(total_cost),
+            "idle_cost": _money(idle),
+            "cost_per_million_tokens": _per_million(total_cost, all_tokens),
+        },
+        "by_model": models,
+        "by_deployment": deployments,
+        "by_key": keys,
+        "by_node": node_rows,
+        "warnings": warnings,
+    }
+
+
+def save_report(kind: str, start: datetime, end: datetime) -> Report:
+    """Compute and store (or recompute in place) the report of a period."""
+    data = build_report(start, end)
+    report, _ = Report.objects.update_or_create(
+        kind=kind, start=start, end=end, defaults={"data": data}
+    )
+    return report
+
+
+def period(kind: str, now: datetime | None = None) -> tuple[datetime, datetime]:
+    """The last complete day (UTC) or ISO week (Monday to Monday) before now."""
+    now = (now or datetime.now(UTC)).astimezone(UTC)
+    today = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    if kind == Report.Kind.DAILY:
+        return today - timedelta(days=1), today
+    monday = today - timedelta(days=today.weekday())
+    return monday - timedelta(days=7), monday
+
+
+CSV_COLUMNS = [
+    "section",
+    "name",
+    "requests",
+    "errors",
+    "prompt_tokens",
+    "completion_tokens",
+    "tokens",
+    "node_hours",
+    "cost",
+    "idle_cost",
+    "cost_per_million_tokens",
+    "utilisation",
+]
+
+
+def report_csv(report: Report) -> str:
+    """One table of every section of a report."""
+    out = io.StringIO()
+    w = csv.DictWriter(out, CSV_COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    d = report.data
+    w.writerow({"section": "totals", "name": "all"} | d["totals"])
+    for section in ("by_model", "by_deployment", "by_node"):
+        for name, row in d[section].items():
+            w.writerow({"section": section.removeprefix("by_"), "name": name} | row)
+    for row in d["by_key"]:
+        w.writerow({"section": "key", "name": f"{row['app']} (key {row['api_key_id']})"} | row)
+    return out.getvalue()
