@@ -70,11 +70,13 @@ INSTALLED_APPS = [
     "apps.deployments",
     "apps.serving",
     "apps.usage",
+    "apps.console",
     "django_celery_beat",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",  # the console's and the admin's files
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -111,6 +113,10 @@ USE_I18N = True
 USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
+WHITENOISE_USE_FINDERS = True  # served from the apps' static/ folders: no collectstatic step
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # where collectstatic would put them
+LOGIN_URL = "console:login"
+LOGIN_REDIRECT_URL = "console:reports"
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

@@ -20,4 +20,5 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),
     path("v1/", include("apps.serving.urls")),
+    path("console/", include("apps.console.urls")),
 ]

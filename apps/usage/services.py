@@ -23,6 +23,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Count, F, Q, Sum
+from django.db.models.functions import TruncDay, TruncHour
 from redis.exceptions import RedisError
 
 from apps.deployments.models import Replica
@@ -438,6 +439,29 @@ def build_report(start: datetime, end: datetime) -> dict:
         }
     total_cost = sum((n["cost"] for n in nodes.values()), Decimal(0))
     all_tokens = sum(r["tokens"] for r in by_model.values())
+    # Over time: hours for a day or less, days beyond.
+    step = timedelta(hours=1) if end - start <= timedelta(days=1) else timedelta(days=1)
+    trunc = TruncHour if step == timedelta(hours=1) else TruncDay
+    cost_at: dict[datetime, Decimal] = {}
+    for u in NodeUsage.objects.filter(hour__gte=start, hour__lt=end, currency=currency):
+        at = u.hour if step == timedelta(hours=1) else u.hour.replace(hour=0)
+        cost_at[at] = cost_at.get(at, Decimal(0)) + u.cost
+    tokens_at = dict(
+        records.annotate(at=trunc("started_at", tzinfo=UTC))
+        .values("at")
+        .annotate(n=Sum(F("prompt_tokens") + F("completion_tokens")))
+        .values_list("at", "n")
+    )
+    series, at = [], start
+    while at < end:
+        series.append(
+            {
+                "at": at.isoformat(),
+                "cost": _money(cost_at.get(at, Decimal(0))),
+                "tokens": int(tokens_at.get(at) or 0),
+            }
+        )
+        at += step
     return {
         "start": start.isoformat(),
         "end": end.isoformat(),
@@ -455,6 +479,7 @@ def build_report(start: datetime, end: datetime) -> dict:
         "by_deployment": deployments,
         "by_key": keys,
         "by_node": node_rows,
+        "series": series,
         "warnings": warnings,
     }
 

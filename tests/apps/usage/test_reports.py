@@ -139,6 +139,11 @@ def test_report_numbers_match_the_hand_computed_ones(fleet, settings):
         "completion_tokens": 1250,
     }
     assert data["by_node"]["small"]["utilisation"] == 0.0
+    # Cost and tokens over the day's hours add up to the totals.
+    series = data["series"]
+    assert len(series) == 24 and series[10]["at"] == (DAY + timedelta(hours=10)).isoformat()
+    assert (series[10]["cost"], series[11]["cost"]) == (2.5, 2.0)
+    assert sum(p["tokens"] for p in series) == 2010
 
 
 def test_a_report_rerun_gives_the_same_numbers_and_a_csv(fleet):
