@@ -116,7 +116,7 @@ STATIC_ROOT = VAR_DIR / "static"
 WHITENOISE_USE_FINDERS = True  # served from the apps' static/ folders: no collectstatic step
 STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # where collectstatic would put them
 LOGIN_URL = "console:login"
-LOGIN_REDIRECT_URL = "console:reports"
+LOGIN_REDIRECT_URL = "console:dashboard"
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

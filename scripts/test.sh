@@ -22,6 +22,19 @@ if ! (exec 3<>"/dev/tcp/$rhost/$rport" && printf 'PING\r\n' >&3 && head -c5 <&3 
   sleep 0.5
 fi
 
+# The console's browser tests drive Debian's chromium (Playwright's own download has no host
+# to come from here).
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "Installing Debian's chromium for the browser tests"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
+  else
+    echo "The browser tests need /usr/bin/chromium: sudo apt-get install chromium" >&2
+    exit 1
+  fi
+fi
+
 echo "== lint"
 "$BIN/ruff" check .
 "$BIN/ruff" format --check .

@@ -11,6 +11,8 @@ urlpatterns = [
         name="login",
     ),
     path("logout/", auth_views.LogoutView.as_view(next_page="console:login"), name="logout"),
+    path("", views.dashboard, name="dashboard"),
+    path("playground/", views.playground, name="playground"),
     path("reports/", views.reports, name="reports"),
     path("reports/<int:pk>/", views.reports, name="report"),
 ]

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
+from django.contrib.auth.decorators import login_required
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_http_methods
 
@@ -35,3 +36,17 @@ def reports(request, pk: int | None = None):
     recent = Report.objects.all()[:50]
     report = get_object_or_404(Report, pk=pk) if pk else recent.first()
     return render(request, "console/reports.html", {"report": report, "recent": recent})
+
+
+@staff_member_required(login_url="console:login")
+def dashboard(request):
+    """Nodes, models and deployments, kept live by the /ws/v1/console feed."""
+    from apps.catalog.sources import KNOWN_MODELS
+
+    return render(request, "console/dashboard.html", {"known_models": sorted(KNOWN_MODELS)})
+
+
+@login_required(login_url="console:login")
+def playground(request):
+    """Chat with any deployed model over the generation websocket."""
+    return render(request, "console/playground.html")

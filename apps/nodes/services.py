@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from apps.nodes.models import Node
 from apps.nodes.signals import node_lost, node_reported
-from controlplane.errors import DomainError
+from controlplane.errors import Conflict, DomainError
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,19 @@ def sweep_stale_nodes() -> list[str]:
                 node_lost.send(sender=Node, node=node, since=node.last_heartbeat_at)
                 lost.append(node.name)
     return lost
+
+
+def remove_node(node: Node) -> None:
+    """Forget a node that holds nothing live; its past costs stay in the reports."""
+    from apps.deployments.models import Replica  # nodes knows no deployments otherwise
+
+    live = Replica.objects.filter(node=node, state__in=Replica.LIVE).count()
+    if live:
+        raise Conflict(f"{node.name} still holds {live} replica(s): undeploy or scale them away")
+    with transaction.atomic():
+        Replica.objects.filter(node=node).delete()
+        node.delete()
+    log.info("node %s removed", node.name)
 
 
 def set_draining(node: Node, draining: bool) -> Node:

@@ -54,7 +54,10 @@ class NodeUsage(models.Model):
     rest of memory_total_bytes x seconds is idle.
     """
 
-    node = models.ForeignKey("nodes.Node", on_delete=models.CASCADE, related_name="usage")
+    node = models.ForeignKey(
+        "nodes.Node", null=True, on_delete=models.SET_NULL, related_name="usage"
+    )
+    node_name = models.CharField(max_length=100, help_text="Kept when the node is removed.")
     hour = models.DateTimeField(help_text="Start of the hour (UTC).")
     seconds = models.FloatField(default=0)
     cost = models.DecimalField(max_digits=14, decimal_places=6, default=0)

@@ -163,7 +163,7 @@ def account_heartbeat(node, reported: list[dict], previous: datetime | None, now
     hour = now.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
     with transaction.atomic():
         row, _ = NodeUsage.objects.select_for_update().get_or_create(
-            node=node, hour=hour, defaults={"currency": node.currency}
+            node=node, hour=hour, defaults={"currency": node.currency, "node_name": node.name}
         )
         row.seconds += seconds
         row.cost += (Decimal(str(seconds)) * node.price_per_hour / 3600).quantize(Decimal("1e-6"))
@@ -357,9 +357,9 @@ def build_report(start: datetime, end: datetime) -> dict:
     dep_model: dict[str, str] = {}
     nodes: dict[str, dict] = {}
     idle, warnings = Decimal(0), []
-    for u in NodeUsage.objects.filter(hour__gte=start, hour__lt=end).select_related("node"):
+    for u in NodeUsage.objects.filter(hour__gte=start, hour__lt=end):
         if u.currency != currency:
-            warnings.append(f"{u.node.name}: priced in {u.currency}, not {currency}; left out")
+            warnings.append(f"{u.node_name}: priced in {u.currency}, not {currency}; left out")
             continue
         capacity = u.memory_total_bytes * u.seconds
         shares = {
@@ -376,7 +376,7 @@ def build_report(start: datetime, end: datetime) -> dict:
         node_idle = u.cost * Decimal(str(1 - total))
         idle += node_idle
         n = nodes.setdefault(
-            u.node.name,
+            u.node_name,
             {"node_hours": 0.0, "cost": Decimal(0), "idle_cost": Decimal(0), "held_hours": 0.0},
         )
         n["node_hours"] += u.seconds / 3600

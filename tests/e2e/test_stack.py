@@ -6,69 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import CHAT, ROOT, SMOLLM2
+from tests.conftest import CHAT, SMOLLM2
 
 pytestmark = pytest.mark.e2e
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, smollm2_path):
-    var = tmp_path_factory.mktemp("stack-var")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMAFLEET_", "DJANGO_"))}
-    env |= {
-        "LLAMAFLEET_VAR_DIR": str(var),
-        "PORT": str(free_port()),
-        "LLAMAFLEET_AGENT_PORT": str(free_port()),
-        "LLAMAFLEET_AGENT_METRICS_PORT": str(free_port()),
-        "LLAMAFLEET_BOOTSTRAP_KEY": "lf-e2e-bootstrap-key-000000000000",
-        "REDIS_URL": os.environ["REDIS_URL"],
-        "LLAMAFLEET_HEARTBEAT_SECONDS": "1",
-    }
-    env.pop("DATABASE_URL", None)  # the embedded default: SQLite under var/
-    up = subprocess.run(
-        [sys.executable, "scripts/stack.py", "up", "--wait", "120"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        assert "LlamaFleet is up at" in up.stdout and env["LLAMAFLEET_BOOTSTRAP_KEY"] in up.stdout
-        yield {
-            "url": f"http://127.0.0.1:{env['PORT']}",
-            "key": env["LLAMAFLEET_BOOTSTRAP_KEY"],
-            "var": Path(var),
-            "env": env,
-        }
-    finally:
-        down = subprocess.run(
-            [sys.executable, "scripts/stack.py", "down"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert down.returncode == 0, down.stderr
-        for name in ("web", "worker", "beat", "agent"):
-            assert not (Path(var) / "run" / f"{name}.pid").exists()
 
 
 def api(stack, method, path, **kw):

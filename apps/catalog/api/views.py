@@ -2,6 +2,7 @@ from django.http import FileResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -33,6 +34,8 @@ class CatalogModelViewSet(
     def pull(self, request):
         data = PullRequestSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        if data.validated_data["local_path"] and not request.user.is_staff:
+            raise PermissionDenied("only staff may import a file from the control plane's disk")
         job = services.start_pull(data.validated_data["name"], data.validated_data["local_path"])
         return Response(PullJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
 

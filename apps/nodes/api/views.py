@@ -1,5 +1,5 @@
 from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework import permissions, viewsets
+from rest_framework import mixins, permissions, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -10,12 +10,21 @@ from apps.nodes.api.serializers import NodePriceSerializer, NodeSerializer
 from apps.nodes.models import Node
 
 
-class NodeViewSet(viewsets.ReadOnlyModelViewSet):
-    """Nodes of the fleet with their capacity, liveness and what they hold."""
+class NodeViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
+    """Nodes of the fleet with their capacity, liveness and what they hold. DELETE removes
+    one that holds no live replica (staff); an agent that reports again registers anew."""
 
     queryset = Node.objects.all()
     serializer_class = NodeSerializer
     lookup_field = "name"
+
+    def get_permissions(self):
+        if self.action == "destroy":
+            return [permissions.IsAdminUser()]
+        return super().get_permissions()
+
+    def perform_destroy(self, instance):
+        services.remove_node(instance)
 
     @extend_schema(request=None, responses={200: NodeSerializer})
     @action(detail=True, methods=["post"])

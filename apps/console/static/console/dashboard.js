@@ -1,0 +1,120 @@
+// The fleet dashboard: tables redrawn from each snapshot of /ws/v1/console; actions call the
+// REST API, and their progress shows in the next snapshots.
+(() => {
+  const { el, api, bytes, bar, say, socket } = LF;
+  const live = document.getElementById("live");
+
+  function action(label, fn, cls = "") {
+    return el("button", { class: "small " + cls, type: "button", onclick: async (e) => {
+      e.target.disabled = true;
+      try { say(await fn()); } catch (err) { say(err.message, false); } finally { e.target.disabled = false; }
+    } }, label);
+  }
+
+  function fill(id, rows) {
+    const body = document.querySelector(`#${id} tbody`);
+    body.replaceChildren(...rows);
+  }
+
+  function age(seconds) {
+    if (seconds === null || seconds === undefined) return "never";
+    return seconds < 60 ? `${Math.round(seconds)} s ago` : `${Math.round(seconds / 60)} min ago`;
+  }
+
+  function render(snap) {
+    fill("nodes", snap.nodes.map((n) => el("tr", { "data-node": n.name },
+      el("td", {}, n.name, el("div", { class: "hint" }, n.address)),
+      el("td", { class: "state " + n.state }, n.draining ? `${n.state}, draining` : n.state),
+      el("td", {}, age(n.heartbeat_age_seconds)),
+      el("td", {}, bar(n.memory_total_bytes - n.memory_available_bytes, n.memory_total_bytes,
+        `${bytes(n.memory_total_bytes - n.memory_available_bytes)} of ${bytes(n.memory_total_bytes)}`)),
+      el("td", {}, String(n.cpu_cores), n.accelerators.length ? el("div", { class: "hint" }, n.accelerators.join(", ")) : ""),
+      el("td", {}, String(n.in_flight)),
+      el("td", {}, n.reported_replicas.map((r) => el("div", {}, `${r.model_name}: ${r.state}, ${bytes(r.memory_bytes)}, ${r.in_flight} in flight`))),
+      el("td", {}, n.draining
+        ? action("Undrain", () => api("POST", `/api/v1/nodes/${n.name}/undrain/`).then(() => `${n.name} takes work again`))
+        : action("Drain", () => api("POST", `/api/v1/nodes/${n.name}/drain/`).then(() => `${n.name} is draining: no new work, running requests finish`)),
+        action("Remove", () => api("DELETE", `/api/v1/nodes/${n.name}/`).then(() => `${n.name} removed`), "danger")),
+    )));
+
+    const select = document.getElementById("deploy-model");
+    const chosen = select.value;
+    select.replaceChildren(...snap.models.filter((m) => m.state === "ready").map((m) => el("option", { value: m.name }, m.name)));
+    if (chosen) select.value = chosen;
+    fill("models", snap.models.map((m) => {
+      const pull = m.latest_pull;
+      const progress = pull && pull.state === "running"
+        ? bar(pull.bytes_done, pull.bytes_total, `${pull.phase} ${Math.round(100 * (pull.progress || 0))} %`)
+        : pull ? `${pull.state}${pull.error ? ": " + pull.error : ""}` : "";
+      return el("tr", { "data-model": m.name },
+        el("td", {}, m.name, el("div", { class: "hint" }, m.display_name || "")),
+        el("td", { class: "state " + m.state }, m.state),
+        el("td", {}, m.architecture || "–"),
+        el("td", {}, m.parameters ? `${(m.parameters / 1e6).toFixed(0)} M` : "–"),
+        el("td", {}, m.quantization || "–"),
+        el("td", {}, bytes(m.size_bytes)),
+        el("td", {}, String(m.n_layers || "–")),
+        el("td", {}, String(m.context_length || "–")),
+        el("td", {}, progress),
+        el("td", {}, action("Delete", () => api("DELETE", `/api/v1/models/${m.name}/`).then(() => `${m.name} deleted`), "danger")),
+      );
+    }));
+
+    fill("deployments", snap.deployments.map((d) => {
+      const f = d.figures;
+      const figures = f ? `${f.requests} req, ${f.tokens_per_s ? f.tokens_per_s.toFixed(1) : "–"} tok/s, first token ${f.ttft_ms ? Math.round(f.ttft_ms) : "–"} ms` : "no traffic";
+      const scale = el("input", { type: "number", min: "1", max: "64", value: String(d.replicas), class: "tiny", "aria-label": `replicas of ${d.name}` });
+      return el("tr", { "data-deployment": d.name },
+        el("td", {}, d.name, d.error ? el("div", { class: "hint error" }, d.error) : ""),
+        el("td", {}, d.model),
+        el("td", { class: "state " + d.state }, d.state),
+        el("td", {}, d.replica_set.map((r) => el("div", {}, `${r.node || "?"}: ${r.state}`)), scale,
+          action("Scale", () => api("POST", `/api/v1/deployments/${d.name}/scale/`, { replicas: Number(scale.value) }).then(() => `${d.name}: scaling to ${scale.value}`))),
+        el("td", {}, `${d.parallel} × ${d.context_length}`),
+        el("td", {}, d.routing_policy),
+        el("td", {}, figures),
+        el("td", {}, action("Undeploy", () => api("POST", `/api/v1/deployments/${d.name}/undeploy/`).then(() => `${d.name}: undeploying`), "danger")),
+      );
+    }));
+  }
+
+  function connect() {
+    const ws = socket("/ws/v1/console");
+    ws.onopen = () => { live.textContent = "Live"; live.dataset.state = "live"; };
+    ws.onmessage = (e) => { render(JSON.parse(e.data)); live.textContent = `Live · updated ${new Date().toLocaleTimeString()}`; document.body.dataset.snapshots = String(Number(document.body.dataset.snapshots || 0) + 1); };
+    ws.onclose = () => { live.textContent = "Disconnected; reconnecting…"; live.dataset.state = "down"; setTimeout(connect, 2000); };
+  }
+
+  async function keys() {
+    const data = await api("GET", "/api/v1/api-keys/");
+    fill("keys", data.results.filter((k) => !k.revoked_at).map((k) => el("tr", {},
+      el("td", {}, k.name), el("td", {}, k.app || ""), el("td", {}, k.prefix + "…"),
+      el("td", {}, k.created_at.slice(0, 16).replace("T", " ")),
+      el("td", {}, k.last_used_at ? k.last_used_at.slice(0, 16).replace("T", " ") : "never"),
+      el("td", {}, action("Revoke", () => api("DELETE", `/api/v1/api-keys/${k.id}/`).then(() => { keys(); return `${k.name} revoked`; }), "danger")),
+    )));
+  }
+
+  function form(id, submit) {
+    document.getElementById(id).addEventListener("submit", async (e) => {
+      e.preventDefault();
+      const values = Object.fromEntries([...new FormData(e.target).entries()].filter(([, v]) => v !== ""));
+      try { say(await submit(values)); e.target.reset(); } catch (err) { say(err.message, false); }
+    });
+  }
+
+  form("pull-form", (v) => api("POST", "/api/v1/models/pull/", v).then((job) => `Pulling ${job.model} (job ${job.id}); progress shows in the table`));
+  form("deploy-form", (v) => {
+    for (const k of ["replicas", "context_length", "parallel"]) if (v[k]) v[k] = Number(v[k]);
+    return api("POST", "/api/v1/deployments/", v).then((d) => `Deploying ${d.name}; its replicas show in the table`);
+  });
+  form("key-form", (v) => api("POST", "/api/v1/api-keys/", v).then((k) => {
+    const box = document.getElementById("new-key");
+    box.hidden = false;
+    box.textContent = `Key "${k.name}": ${k.key} (shown once; copy it now)`;
+    keys();
+    return `Key ${k.name} created`;
+  }));
+  connect();
+  keys();
+})();

@@ -1,0 +1,49 @@
+"""The dashboard's live feed over the real ASGI application, and who may see it."""
+
+import pytest
+from channels.testing import WebsocketCommunicator
+
+from controlplane.asgi import application
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def connect(client):
+    cookie = client.cookies["sessionid"].value
+    comm = WebsocketCommunicator(
+        application,
+        "/ws/v1/console",
+        headers=[(b"cookie", f"sessionid={cookie}".encode()), (b"origin", b"http://testserver"),
+                 (b"host", b"testserver")],
+    )  # fmt: skip
+    return comm, *(await comm.connect(timeout=10))
+
+
+async def test_staff_get_snapshots_that_follow_the_fleet(alice, async_client):
+    from asgiref.sync import sync_to_async
+
+    from apps.nodes.models import Node
+
+    alice.is_staff = True
+    await alice.asave()
+    await async_client.aforce_login(alice)
+    comm, connected, _ = await connect(async_client)
+    assert connected
+    first = await comm.receive_json_from(timeout=10)
+    assert set(first) == {"nodes", "models", "deployments"} and first["nodes"] == []
+    await sync_to_async(Node.objects.create)(name="n1", address="10.0.0.1:1")
+    second = await comm.receive_json_from(timeout=10)  # sent because something changed
+    assert [n["name"] for n in second["nodes"]] == ["n1"]
+    await comm.disconnect()
+
+
+async def test_others_are_refused(alice, async_client):
+    await async_client.aforce_login(alice)  # not staff
+    comm, connected, code = await connect(async_client)
+    assert not connected and code == 4403
+
+
+def test_only_staff_import_files_from_the_control_planes_disk(api, alice):
+    body = {"name": "x", "local_path": "/etc/passwd"}
+    resp = api.post("/api/v1/models/pull/", body, format="json")
+    assert resp.status_code == 403 and "staff" in resp.json()["detail"]

@@ -1,0 +1,67 @@
+"""The whole stack as separate processes, started by scripts/stack.py on a fresh var/."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, smollm2_path):
+    """One stack per test module (a module may stop parts of it)."""
+    var = tmp_path_factory.mktemp("stack-var")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMAFLEET_", "DJANGO_"))}
+    env |= {
+        "LLAMAFLEET_VAR_DIR": str(var),
+        "PORT": str(free_port()),
+        "LLAMAFLEET_AGENT_PORT": str(free_port()),
+        "LLAMAFLEET_AGENT_METRICS_PORT": str(free_port()),
+        "LLAMAFLEET_BOOTSTRAP_KEY": "lf-e2e-bootstrap-key-000000000000",
+        # Its own database: the stack's Celery worker must not meet the tests' broker traffic.
+        "REDIS_URL": os.environ["REDIS_URL"].rsplit("/", 1)[0] + "/14",
+        "LLAMAFLEET_HEARTBEAT_SECONDS": "1",
+        "LLAMAFLEET_HEARTBEAT_TIMEOUT": "4",
+    }
+    env.pop("DATABASE_URL", None)  # the embedded default: SQLite under var/
+    up = subprocess.run(
+        [sys.executable, "scripts/stack.py", "up", "--wait", "120"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "LlamaFleet is up at" in up.stdout and env["LLAMAFLEET_BOOTSTRAP_KEY"] in up.stdout
+        yield {
+            "url": f"http://127.0.0.1:{env['PORT']}",
+            "key": env["LLAMAFLEET_BOOTSTRAP_KEY"],
+            "var": Path(var),
+            "env": env,
+        }
+    finally:
+        down = subprocess.run(
+            [sys.executable, "scripts/stack.py", "down"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert down.returncode == 0, down.stderr
+        for name in ("web", "worker", "beat", "agent"):
+            assert not (Path(var) / "run" / f"{name}.pid").exists()
