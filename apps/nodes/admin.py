@@ -9,12 +9,16 @@ class NodeAdmin(admin.ModelAdmin):
         "name",
         "address",
         "state",
+        "draining",
+        "price_per_hour",
+        "currency",
         "cpu_cores",
         "memory_total_bytes",
         "memory_available_bytes",
         "in_flight",
         "last_heartbeat_at",
     )
-    list_filter = ("state",)
+    list_filter = ("state", "draining")
+    list_editable = ("price_per_hour",)
     search_fields = ("name", "address")
     readonly_fields = ("registered_at", "last_heartbeat_at", "reported_replicas")

@@ -26,6 +26,7 @@ class Node(models.Model):
     memory_total_bytes = models.BigIntegerField(default=0)
     memory_available_bytes = models.BigIntegerField(default=0)
     memory_in_use_bytes = models.BigIntegerField(default=0)
+    load_average = models.FloatField(default=0, help_text="One-minute load average.")
     cpu_cores = models.PositiveIntegerField(default=0)
     accelerators = models.JSONField(default=list, blank=True)
     in_flight = models.PositiveIntegerField(default=0)

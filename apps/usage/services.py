@@ -21,7 +21,7 @@ from decimal import Decimal
 import redis.asyncio as aioredis
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connections, transaction
 from django.db.models import Count, F, Q, Sum
 from django.db.models.functions import TruncDay, TruncHour
 from redis.exceptions import RedisError
@@ -113,6 +113,14 @@ def record(u: Usage) -> UsageRecord:
         return UsageRecord.objects.get(request_id=u.request_id)
 
 
+def _record_and_close(u: Usage) -> None:
+    """record() from a pool thread, which Django's request cycle never cleans up after."""
+    try:
+        record(u)
+    finally:
+        connections.close_all()
+
+
 def record_soon(u: Usage) -> None:
     """Store the record and count its tokens against the key's quotas, from a background
     task: the stream never waits for the database."""
@@ -121,7 +129,7 @@ def record_soon(u: Usage) -> None:
         await consume_tokens(u.caller, u.prompt_tokens + u.completion_tokens)
         for attempt in range(3):
             try:
-                await sync_to_async(record, thread_sensitive=False)(u)
+                await sync_to_async(_record_and_close, thread_sensitive=False)(u)
                 return
             except Exception:  # a busy or restarting database: try again, then say so
                 if attempt == 2:

@@ -219,6 +219,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             replicas=replicas,
             memory_in_use_bytes=sum(r.memory_bytes for r in replicas),
             in_flight=sum(r.in_flight for r in replicas),
+            load_average=system.load_average(),
         )
 
     async def shutdown(self) -> None:

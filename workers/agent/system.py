@@ -20,6 +20,11 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def load_average() -> float:
+    """The one-minute load average: how busy the cores are (runnable threads)."""
+    return os.getloadavg()[0]
+
+
 def accelerators() -> list[str]:
     """GPUs visible through nvidia-smi; empty on CPU-only machines."""
     if not shutil.which("nvidia-smi"):

@@ -18,6 +18,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "currency",
             "version",
             "cpu_cores",
+            "load_average",
             "accelerators",
             "memory_total_bytes",
             "memory_available_bytes",

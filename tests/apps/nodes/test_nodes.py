@@ -49,13 +49,14 @@ def test_first_heartbeat_registers_and_later_ones_refresh(settings, api):
     c.post("/api/v1/agent/heartbeat", REPORT, format="json")
     c.post(
         "/api/v1/agent/heartbeat",
-        REPORT | {"memory_available_bytes": 1234, "in_flight": 3},
+        REPORT | {"memory_available_bytes": 1234, "in_flight": 3, "load_average": 1.5},
         format="json",
     )
     [node] = api.get("/api/v1/nodes/").json()["results"]
     assert node["name"] == "gpu-box-1" and node["address"] == "10.0.0.5:50051"
     assert node["memory_available_bytes"] == 1234 and node["in_flight"] == 3
     assert node["cpu_cores"] == 16 and node["heartbeat_age_seconds"] < 5
+    assert node["load_average"] == 1.5
     bad = c.post("/api/v1/agent/heartbeat", {"node_name": ""}, format="json")
     assert bad.status_code == 400 and "required" in bad.json()["detail"]
 

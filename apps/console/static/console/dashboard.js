@@ -28,7 +28,8 @@
       el("td", {}, age(n.heartbeat_age_seconds)),
       el("td", {}, bar(n.memory_total_bytes - n.memory_available_bytes, n.memory_total_bytes,
         `${bytes(n.memory_total_bytes - n.memory_available_bytes)} of ${bytes(n.memory_total_bytes)}`)),
-      el("td", {}, String(n.cpu_cores), n.accelerators.length ? el("div", { class: "hint" }, n.accelerators.join(", ")) : ""),
+      el("td", {}, bar(n.load_average, n.cpu_cores, `load ${n.load_average.toFixed(2)} of ${n.cpu_cores} cores`),
+        n.accelerators.length ? el("div", { class: "hint" }, n.accelerators.join(", ")) : ""),
       el("td", {}, String(n.in_flight)),
       el("td", {}, n.reported_replicas.map((r) => el("div", {}, `${r.model_name}: ${r.state}, ${bytes(r.memory_bytes)}, ${r.in_flight} in flight`))),
       el("td", {}, n.draining

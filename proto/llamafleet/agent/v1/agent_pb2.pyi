@@ -249,7 +249,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., error: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., pid: _Optional[int] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_name", "version", "memory_total_bytes", "memory_available_bytes", "cpu_cores", "accelerators", "replicas", "memory_in_use_bytes", "in_flight")
+    __slots__ = ("node_name", "version", "memory_total_bytes", "memory_available_bytes", "cpu_cores", "accelerators", "replicas", "memory_in_use_bytes", "in_flight", "load_average")
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class NodeStatus(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_AVERAGE_FIELD_NUMBER: _ClassVar[int]
     node_name: str
     version: str
     memory_total_bytes: int
@@ -268,4 +269,5 @@ class NodeStatus(_message.Message):
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     memory_in_use_bytes: int
     in_flight: int
-    def __init__(self, node_name: _Optional[str] = ..., version: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., cpu_cores: _Optional[int] = ..., accelerators: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., memory_in_use_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    load_average: float
+    def __init__(self, node_name: _Optional[str] = ..., version: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., cpu_cores: _Optional[int] = ..., accelerators: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., memory_in_use_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., load_average: _Optional[float] = ...) -> None: ...
