@@ -17,6 +17,7 @@ from contextlib import aclosing
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from apps.accounts.models import ApiKey
 from apps.serving import openai
 from apps.serving.services import Finished, Piece, ServingError, generate
 from apps.usage.services import Caller
@@ -79,7 +80,13 @@ class GenerationConsumer(AsyncJsonWebsocketConsumer):
     async def _run(self, gid: str, params) -> None:
         try:
             key, user = self.scope.get("api_key"), self.scope["user"]
-            caller = Caller.from_key(key) if key else Caller(user_id=user.pk)
+            if key is not None and not await ApiKey.objects.active().filter(pk=key.pk).aexists():
+                await self._error(
+                    gid, ServingError(401, "the API key was revoked", code="invalid_api_key")
+                )
+                await self.close(code=4401)
+                return
+            caller = Caller.from_key(key) if key else Caller(user_id=user.pk, staff=user.is_staff)
             async with aclosing(generate(params, caller, "websocket")) as events:
                 await self._relay(gid, events)
         except ServingError as err:

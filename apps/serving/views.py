@@ -46,7 +46,7 @@ async def _authenticate(request: HttpRequest) -> Caller:
     if not raw:
         user = await request.auser()  # the console's session
         if user.is_authenticated:
-            return Caller(user_id=user.pk)
+            return Caller(user_id=user.pk, staff=user.is_staff)
     raise ServingError(
         401,
         "Incorrect API key provided." if raw else "You didn't provide an API key.",
@@ -242,9 +242,10 @@ async def models(request):
 
 @require_GET
 async def metrics(request):
-    """Prometheus metrics of this process; scrape with an API key as Bearer token."""
+    """Prometheus metrics of this process; scrape with a staff user's API key as Bearer."""
     try:
-        await _authenticate(request)
+        if not (await _authenticate(request)).staff:
+            raise ServingError(403, "metrics are for staff keys", "permission_error")
     except ServingError as err:
         return error_response(err)
     return HttpResponse(generate_latest(), content_type=CONTENT_TYPE_LATEST)

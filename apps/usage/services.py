@@ -43,6 +43,7 @@ class Caller:
     """The identity and limits of a request's API key (or a console user without one)."""
 
     user_id: int | None
+    staff: bool = False
     key_id: int | None = None
     app: str = ""
     requests_per_minute: int | None = None
@@ -53,6 +54,7 @@ class Caller:
     def from_key(cls, key) -> Caller:
         return cls(
             user_id=key.owner_id,
+            staff=key.owner.is_staff,
             key_id=key.pk,
             app=key.app or key.name,
             requests_per_minute=key.requests_per_minute,

@@ -188,10 +188,14 @@ async def test_beyond_the_in_flight_limit_requests_get_a_fast_429(
     assert ok.status_code == 200
 
 
-async def test_metrics_need_a_key_and_count_requests(two_replicas, alice_key):
+async def test_metrics_need_a_staff_key_and_count_requests(two_replicas, alice, alice_key):
     assert (await AsyncClient().get("/metrics")).status_code == 401
     await post(alice_key, {"model": SMOLLM2, "messages": CHAT, "max_tokens": 2})
-    resp = await AsyncClient().get("/metrics", headers={"Authorization": f"Bearer {alice_key}"})
+    scrape = {"Authorization": f"Bearer {alice_key}"}
+    assert (await AsyncClient().get("/metrics", headers=scrape)).status_code == 403
+    alice.is_staff = True
+    await alice.asave()
+    resp = await AsyncClient().get("/metrics", headers=scrape)
     body = resp.content.decode()
     assert resp.status_code == 200
     assert (

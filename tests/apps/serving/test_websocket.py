@@ -164,3 +164,21 @@ async def test_an_idle_socket_outlives_the_channel_layers_read_timeout(deployed,
     msgs = await collect(comm, "late")
     assert msgs[-1]["type"] == "done"
     await comm.disconnect()
+
+
+async def test_a_key_revoked_while_its_socket_is_open_serves_no_more(deployed, alice_key):
+    from asgiref.sync import sync_to_async
+
+    from apps.accounts.models import ApiKey
+    from apps.accounts.services import revoke_key
+
+    comm, connected, _ = await connect(alice_key)
+    assert connected
+    key = await ApiKey.objects.aget(prefix=alice_key[:10])
+    await sync_to_async(revoke_key)(key)
+    await comm.send_json_to(
+        {"type": "generate", "id": "r", "model": SMOLLM2, "messages": CHAT, "max_tokens": 2}
+    )
+    msg = await comm.receive_json_from(timeout=10)
+    assert msg["type"] == "error" and msg["error"]["code"] == "invalid_api_key"
+    assert (await comm.receive_output(timeout=5))["type"] == "websocket.close"
