@@ -72,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         help="merge a stream's pieces produced within this many ms into one message; the "
         "first is never held (LLAMAFLEET_STREAM_INTERVAL_MS; default 20, 0 for one per token)",
     )
+    a.add_argument(
+        "--rpc-host",
+        default=_env("LLAMAFLEET_RPC_HOST"),
+        help="address rpc servers listen on (LLAMAFLEET_RPC_HOST; default: the host of "
+        "--advertise). The ggml RPC protocol has no authentication: keep it private",
+    )
     args = parser.parse_args(argv)
 
     token = _env("LLAMAFLEET_NODE_TOKEN")
@@ -95,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_seconds=args.heartbeat,
         metrics_listen=args.metrics_listen,
         stream_interval_ms=args.stream_interval_ms,
+        rpc_host=args.rpc_host,
     )
     asyncio.run(serve(settings))
     return 0

@@ -37,6 +37,7 @@ class AgentSettings:
     heartbeat_seconds: float = 5.0
     metrics_listen: str = ""  # host:port of GET /metrics (node token as Bearer); "" for none
     stream_interval_ms: float = 20.0  # pieces of one stream closer than this are merged
+    rpc_host: str = ""  # where rpc servers listen; "" for the host of `advertise`
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -122,6 +123,8 @@ class Agent:
             threads=settings.threads,
             on_change=self._changed,
             stream_interval=settings.stream_interval_ms / 1000,
+            # The ggml RPC protocol has no authentication: the cluster address, never all.
+            rpc_host=settings.rpc_host or settings.advertise.rpartition(":")[0].strip("[]"),
         )
         self.server = grpc.aio.server(interceptors=[TokenInterceptor(settings.node_token)])
         agent_pb2_grpc.add_NodeAgentServicer_to_server(self.service, self.server)

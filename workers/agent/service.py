@@ -14,6 +14,7 @@ from llamafleet.agent.v1 import agent_pb2_grpc
 import workers
 from workers.agent import system
 from workers.agent.metrics import AgentMetrics
+from workers.agent.rpc_servers import RpcServer
 from workers.agent.store import ModelStore
 from workers.engine.errors import EngineError
 from workers.engine.process import EngineConfig, EngineProcess
@@ -88,11 +89,14 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         threads: int = 0,
         on_change: Callable[[], None] | None = None,
         stream_interval: float = 0.0,
+        rpc_host: str = "127.0.0.1",
     ):
         self.node_name = node_name
         self.store = store
         self.threads = threads or system.cpu_cores()
         self.stream_interval = stream_interval
+        self.rpc_host = rpc_host
+        self.rpc_servers: dict[int, RpcServer] = {}
         self.replicas: dict[str, Replica] = {}
         self._on_change = on_change or (lambda: None)
         self.metrics = AgentMetrics(self)
@@ -131,6 +135,10 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             threads=request.threads or self.threads,
             chat_template=request.chat_template,
             stream_interval=self.stream_interval,
+            rpc_servers=list(request.rpc_servers),
+            n_gpu_layers=request.n_gpu_layers if request.rpc_servers else 0,
+            split_mode=request.split_mode or 1,
+            tensor_split=list(request.tensor_split),
         )
         engine = EngineProcess(config, on_state_change=lambda _e: self._on_change())
         replica = Replica(request, engine)
@@ -206,6 +214,30 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
     async def GetStatus(self, request, context):
         return self.status()
 
+    async def StartRpcServer(self, request, context):
+        try:
+            if not 0 < request.port < 65536:
+                raise EngineError("INVALID_ARGUMENT", "port must be between 1 and 65535")
+            server = self.rpc_servers.get(request.port)
+            if server is None or not server.running:
+                cache = str(self.store.root / "rpc-cache") if request.cache else ""
+                server = RpcServer(
+                    self.rpc_host, request.port, request.threads or self.threads, cache
+                )
+                await server.start()
+                self.rpc_servers[request.port] = server
+                self._on_change()
+        except EngineError as exc:
+            await abort(context, exc)
+        return _rpc_status(server)
+
+    async def StopRpcServer(self, request, context):
+        server = self.rpc_servers.pop(request.port, None)
+        if server is not None:
+            server.stop()
+            self._on_change()
+        return pb.StopRpcServerResponse(stopped=server is not None)
+
     def status(self) -> pb.NodeStatus:
         total, available = system.meminfo()
         replicas = [r.status() for r in self.replicas.values()]
@@ -220,10 +252,19 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             memory_in_use_bytes=sum(r.memory_bytes for r in replicas),
             in_flight=sum(r.in_flight for r in replicas),
             load_average=system.load_average(),
+            rpc_servers=[_rpc_status(s) for s in self.rpc_servers.values()],
         )
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(r.engine.stop() for r in self.replicas.values()))
+        for server in self.rpc_servers.values():
+            server.stop()
+
+
+def _rpc_status(server: RpcServer) -> pb.RpcServerStatus:
+    return pb.RpcServerStatus(
+        endpoint=server.endpoint, running=server.running, pid=server.pid, error=server.error
+    )
 
 
 def inference_payload(request: pb.InferenceRequest) -> dict:

@@ -92,9 +92,27 @@ class BatchEngine:
         threads: int,
         max_queue: int = 64,
         flash_attn: bool = False,
+        rpc_servers: list[str] | None = None,
+        n_gpu_layers: int = -1,
+        split_mode: int = L.LLAMA_SPLIT_MODE_LAYER,
+        tensor_split: list[float] | None = None,
     ):
+        """rpc_servers split the model: the last n_gpu_layers layers (-1: all) go to those
+        servers, in proportion to tensor_split; the rest stay here."""
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
+        if rpc_servers:
+            from workers.engine import rpc
+
+            self._devices = rpc.devices(rpc_servers)  # kept alive with the model
+            mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+            mparams.n_gpu_layers = n_gpu_layers
+            mparams.split_mode = split_mode
+            if tensor_split:
+                self._split = (ctypes.c_float * len(tensor_split))(*tensor_split)
+                mparams.tensor_split = self._split
+            # Tensor parallel over RPC needs flash attention (llama.cpp refuses it otherwise).
+            flash_attn = flash_attn or split_mode == L.LLAMA_SPLIT_MODE_TENSOR
         self.model = L.llama_model_load_from_file(model_path.encode(), mparams)
         if not self.model:
             raise EngineError(

@@ -22,7 +22,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.engine.errors import EngineError
 
@@ -42,6 +42,10 @@ class EngineConfig:
     max_queue: int = 64
     chat_template: str = ""  # used when the file has none
     stream_interval: float = 0.0  # seconds; see Outbox
+    rpc_servers: list[str] = field(default_factory=list)  # host:port of the stages, in order
+    n_gpu_layers: int = -1
+    split_mode: int = 1  # LLAMA_SPLIT_MODE_LAYER; 3 is tensor parallel
+    tensor_split: list[float] = field(default_factory=list)
 
 
 # ---- child side ----------------------------------------------------------------------
@@ -137,6 +141,10 @@ def child_main(conn, config: EngineConfig) -> None:
             config.parallel,
             config.threads,
             config.max_queue,
+            rpc_servers=config.rpc_servers,
+            n_gpu_layers=config.n_gpu_layers,
+            split_mode=config.split_mode,
+            tensor_split=config.tensor_split,
         )
     except EngineError as exc:
         conn.send(("load_error", exc.code, exc.message))

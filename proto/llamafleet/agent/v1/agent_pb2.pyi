@@ -49,7 +49,7 @@ ERROR_CODE_OVERLOADED: ErrorCode
 ERROR_CODE_INVALID_ARGUMENT: ErrorCode
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("replica_id", "model_name", "sha256", "size_bytes", "download_url", "context_length", "parallel", "threads", "chat_template")
+    __slots__ = ("replica_id", "model_name", "sha256", "size_bytes", "download_url", "context_length", "parallel", "threads", "chat_template", "rpc_servers", "n_gpu_layers", "split_mode", "tensor_split")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,10 @@ class LoadModelRequest(_message.Message):
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    RPC_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    N_GPU_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_MODE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_SPLIT_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     model_name: str
     sha256: str
@@ -68,7 +72,11 @@ class LoadModelRequest(_message.Message):
     parallel: int
     threads: int
     chat_template: str
-    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ..., chat_template: _Optional[str] = ...) -> None: ...
+    rpc_servers: _containers.RepeatedScalarFieldContainer[str]
+    n_gpu_layers: int
+    split_mode: int
+    tensor_split: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ..., chat_template: _Optional[str] = ..., rpc_servers: _Optional[_Iterable[str]] = ..., n_gpu_layers: _Optional[int] = ..., split_mode: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("state", "error", "memory_bytes", "load_seconds")
@@ -222,6 +230,40 @@ class EmbedResponse(_message.Message):
     prompt_tokens: int
     def __init__(self, data: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
+class StartRpcServerRequest(_message.Message):
+    __slots__ = ("port", "threads", "cache")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    threads: int
+    cache: bool
+    def __init__(self, port: _Optional[int] = ..., threads: _Optional[int] = ..., cache: _Optional[bool] = ...) -> None: ...
+
+class RpcServerStatus(_message.Message):
+    __slots__ = ("endpoint", "running", "pid", "error")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    running: bool
+    pid: int
+    error: str
+    def __init__(self, endpoint: _Optional[str] = ..., running: _Optional[bool] = ..., pid: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StopRpcServerRequest(_message.Message):
+    __slots__ = ("port",)
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    def __init__(self, port: _Optional[int] = ...) -> None: ...
+
+class StopRpcServerResponse(_message.Message):
+    __slots__ = ("stopped",)
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    stopped: bool
+    def __init__(self, stopped: _Optional[bool] = ...) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -249,7 +291,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., error: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., pid: _Optional[int] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_name", "version", "memory_total_bytes", "memory_available_bytes", "cpu_cores", "accelerators", "replicas", "memory_in_use_bytes", "in_flight", "load_average")
+    __slots__ = ("node_name", "version", "memory_total_bytes", "memory_available_bytes", "cpu_cores", "accelerators", "replicas", "memory_in_use_bytes", "in_flight", "load_average", "rpc_servers")
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +302,7 @@ class NodeStatus(_message.Message):
     MEMORY_IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     LOAD_AVERAGE_FIELD_NUMBER: _ClassVar[int]
+    RPC_SERVERS_FIELD_NUMBER: _ClassVar[int]
     node_name: str
     version: str
     memory_total_bytes: int
@@ -270,4 +313,5 @@ class NodeStatus(_message.Message):
     memory_in_use_bytes: int
     in_flight: int
     load_average: float
-    def __init__(self, node_name: _Optional[str] = ..., version: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., cpu_cores: _Optional[int] = ..., accelerators: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., memory_in_use_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., load_average: _Optional[float] = ...) -> None: ...
+    rpc_servers: _containers.RepeatedCompositeFieldContainer[RpcServerStatus]
+    def __init__(self, node_name: _Optional[str] = ..., version: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., cpu_cores: _Optional[int] = ..., accelerators: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., memory_in_use_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., load_average: _Optional[float] = ..., rpc_servers: _Optional[_Iterable[_Union[RpcServerStatus, _Mapping]]] = ...) -> None: ...

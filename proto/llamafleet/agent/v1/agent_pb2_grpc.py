@@ -67,6 +67,16 @@ class NodeAgentStub:
                 request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.NodeStatus.FromString,
                 _registered_method=True)
+        self.StartRpcServer = channel.unary_unary(
+                '/llamafleet.agent.v1.NodeAgent/StartRpcServer',
+                request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.StartRpcServerRequest.SerializeToString,
+                response_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.RpcServerStatus.FromString,
+                _registered_method=True)
+        self.StopRpcServer = channel.unary_unary(
+                '/llamafleet.agent.v1.NodeAgent/StopRpcServer',
+                request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.StopRpcServerRequest.SerializeToString,
+                response_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.StopRpcServerResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -120,6 +130,20 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartRpcServer(self, request, context):
+        """Serve this node's CPU to a head elsewhere over llama.cpp's RPC protocol (a model split
+        across nodes). Idempotent per port.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopRpcServer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -152,6 +176,16 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.GetStatusRequest.FromString,
                     response_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.NodeStatus.SerializeToString,
+            ),
+            'StartRpcServer': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartRpcServer,
+                    request_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.StartRpcServerRequest.FromString,
+                    response_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.RpcServerStatus.SerializeToString,
+            ),
+            'StopRpcServer': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopRpcServer,
+                    request_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.StopRpcServerRequest.FromString,
+                    response_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.StopRpcServerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +353,60 @@ class NodeAgent:
             '/llamafleet.agent.v1.NodeAgent/GetStatus',
             llamafleet_dot_agent_dot_v1_dot_agent__pb2.GetStatusRequest.SerializeToString,
             llamafleet_dot_agent_dot_v1_dot_agent__pb2.NodeStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartRpcServer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llamafleet.agent.v1.NodeAgent/StartRpcServer',
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.StartRpcServerRequest.SerializeToString,
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.RpcServerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopRpcServer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llamafleet.agent.v1.NodeAgent/StopRpcServer',
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.StopRpcServerRequest.SerializeToString,
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.StopRpcServerResponse.FromString,
             options,
             channel_credentials,
             insecure,

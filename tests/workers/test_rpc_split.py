@@ -1,0 +1,97 @@
+"""One model split across two agents over llama.cpp's RPC backend, on loopback sockets.
+
+The head agent loads the model with the other agent's rpc server as a device for its last
+layers: greedy text equals llama-cpp-python's in-process text. Killing the rpc server kills
+the head's engine (llama.cpp aborts), and the head agent says so and keeps serving.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+import grpc
+import pytest
+from llamafleet.agent.v1 import agent_pb2 as pb
+from llamafleet.agent.v1 import agent_pb2_grpc
+
+from tests.conftest import CHAT, RunningAgent
+
+SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+AUTH = (("authorization", f"Bearer {os.environ['LLAMAFLEET_NODE_TOKEN']}"),)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def head_and_stage(model_store):
+    agents = [RunningAgent(model_store, "head"), RunningAgent(model_store, "stage")]
+    channels = [grpc.insecure_channel(a.address) for a in agents]
+    yield [(a, agent_pb2_grpc.NodeAgentStub(c)) for a, c in zip(agents, channels, strict=True)]
+    for a, c in zip(agents, channels, strict=True):
+        c.close()
+        a.close()
+
+
+def test_a_model_split_over_an_rpc_server_gives_the_single_node_text(
+    head_and_stage, reference_text
+):
+    (head, head_stub), (stage, stage_stub) = head_and_stage
+    port = free_port()
+    status = stage_stub.StartRpcServer(
+        pb.StartRpcServerRequest(port=port, threads=1), metadata=AUTH
+    )
+    assert status.running and status.endpoint == f"127.0.0.1:{port}" and status.pid
+    # Idempotent, and reported in the node's status for the control plane.
+    assert (
+        stage_stub.StartRpcServer(pb.StartRpcServerRequest(port=port), metadata=AUTH).pid
+        == status.pid
+    )
+    [reported] = stage_stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).rpc_servers
+    assert reported.endpoint == status.endpoint and reported.running
+
+    load = head_stub.LoadModel(
+        pb.LoadModelRequest(
+            replica_id="split",
+            model_name="smollm2",
+            sha256=SHA,
+            context_length=512,
+            parallel=2,
+            rpc_servers=[status.endpoint],
+            n_gpu_layers=16,  # of 30 layers: 14 stay on the head
+        ),
+        metadata=AUTH,
+        timeout=120,
+    )
+    assert load.state == pb.REPLICA_STATE_READY, load.error
+    request = pb.InferenceRequest(
+        replica_id="split",
+        max_tokens=48,
+        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in CHAT],
+        sampling=pb.SamplingParams(temperature=0),
+    )
+    text = "".join(m.text for m in head_stub.RunInference(request, metadata=AUTH))
+    assert text == reference_text(CHAT, 48)
+
+    # The stage dies: the head's engine aborts with it; the head agent reports it and lives.
+    os.kill(status.pid, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as err:
+        list(head_stub.RunInference(request, metadata=AUTH))
+    assert dict(err.value.trailing_metadata())["llamafleet-error-code"] == "ENGINE_FAILED"
+    [replica] = head_stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).replicas
+    assert replica.state == pb.REPLICA_STATE_FAILED and "SIGABRT" in replica.error
+    [gone] = stage_stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).rpc_servers
+    assert not gone.running and "SIGKILL" in gone.error
+    assert stage_stub.StopRpcServer(pb.StopRpcServerRequest(port=port), metadata=AUTH).stopped
+
+
+def test_rpc_servers_refuse_bad_ports(head_and_stage):
+    (_, stub), _ = head_and_stage
+    with pytest.raises(grpc.RpcError) as err:
+        stub.StartRpcServer(pb.StartRpcServerRequest(port=0), metadata=AUTH)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
