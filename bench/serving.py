@@ -115,10 +115,10 @@ def api(method: str, path: str, key: str, **kw) -> dict:
     return resp.json()
 
 
-def wait_replicas(key: str, n: int, timeout: float = 120) -> list[dict]:
+def wait_replicas(key: str, n: int, timeout: float = 120, deployment: str = MODEL) -> list[dict]:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        d = api("GET", f"/api/v1/deployments/{MODEL}/", key)
+        d = api("GET", f"/api/v1/deployments/{deployment}/", key)
         ready = [r for r in d["replica_set"] if r["state"] == "ready"]
         if len(ready) == n and d["state"] == "ready":
             return ready
@@ -272,15 +272,15 @@ async def concurrency(key: str, rounds: int, tokens: int, n: int = 8) -> dict:
     }
 
 
-def engine_batching(rounds: int, tokens: int, n: int = 8) -> dict:
-    """The engine alone, in this process: one sequence versus n, to separate the kernels'
-    batching gain from the stack's costs."""
+def engine_batching(rounds: int, tokens: int, n: int = 8, shared_kv: bool = False) -> dict:
+    """The engine alone, in this process: one sequence versus n, to separate what batching
+    gives the engine from the stack's costs."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     sys.path.insert(0, str(ROOT))
     from workers.engine.core import BatchEngine, Request, Sampling
 
-    engine = BatchEngine(str(local_model()), 2048, n, 2)
+    engine = BatchEngine(str(local_model()), 2048, n, 2, shared_kv=shared_kv)
     fmt = Jinja2ChatFormatter(
         template=engine.meta("tokenizer.chat_template"),
         eos_token=engine.eos_text(),
@@ -362,10 +362,23 @@ async def main_async(args) -> dict:
     print(json.dumps(result["single_stream"], indent=2), flush=True)
     result["concurrency"] = await concurrency(key, max(args.rounds // 2, 2), args.tokens)
     print(json.dumps(result["concurrency"], indent=2), flush=True)
-    result["engine_batching"] = engine_batching(max(args.rounds // 2, 2), args.tokens)
-    print(json.dumps(result["engine_batching"], indent=2), flush=True)
+    half = max(args.rounds // 2, 2)
+    result["engine_batching"] = engine_batching(half, args.tokens)
+    result["engine_batching_shared_kv"] = engine_batching(half, args.tokens, shared_kv=True)
+    print(json.dumps(result["engine_batching_shared_kv"], indent=2), flush=True)
     result["failover"] = await failover(llm, key, args.tokens)
     print(json.dumps(result["failover"], indent=2), flush=True)
+    # The same 8 streams on a deployment with one KV cache shared by its slots.
+    api("POST", f"/api/v1/deployments/{MODEL}/undeploy/", key)
+    api(
+        "POST",
+        "/api/v1/deployments/",
+        key,
+        json={"name": "shared", "model": MODEL, "parallel": 8, "shared_kv": True},
+    )
+    wait_replicas(key, 1, deployment="shared")
+    result["concurrency_shared_kv"] = await concurrency(key, half, args.tokens)
+    print(json.dumps(result["concurrency_shared_kv"], indent=2), flush=True)
     return result
 
 

@@ -29,6 +29,11 @@ class Deployment(models.Model):
         help_text="Context window of one sequence, in tokens."
     )
     parallel = models.PositiveIntegerField(help_text="Sequences decoded together per replica.")
+    shared_kv = models.BooleanField(
+        default=False,
+        help_text="One KV cache for all slots: more tokens/s under load, but greedy text may "
+        "then vary with what runs beside it (and a migrated stream may not continue exactly).",
+    )
     routing_policy = models.CharField(
         max_length=20,
         choices=Routing.choices,

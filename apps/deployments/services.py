@@ -82,6 +82,7 @@ def do_create(
     context_length: int | None = None,
     parallel: int | None = None,
     routing_policy: str = Deployment.Routing.LEAST_CONNECTIONS,
+    shared_kv: bool = False,
 ) -> Deployment:
     """Record a deployment and start reconciling it."""
     from apps.deployments.tasks import reconcile_deployment
@@ -97,6 +98,7 @@ def do_create(
             context_length=context_length,
             parallel=parallel,
             routing_policy=routing_policy,
+            shared_kv=shared_kv,
         )
         record_event(
             d,
@@ -304,6 +306,7 @@ def load(replica_id: str) -> None:
         context_length=d.context_length,
         parallel=d.parallel,
         chat_template=model.chat_template,
+        shared_kv=d.shared_kv,
     )
     try:
         resp = agent_client.stub(node.address).LoadModel(

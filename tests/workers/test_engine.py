@@ -300,3 +300,16 @@ def test_embeddings_equal_llama_in_process(engine, smollm2_path):
     assert err.value.code == "CONTEXT_LENGTH_EXCEEDED"
     texts_after, _, _ = run(engine, [Request("g", chat_tokens(engine), 8, GREEDY)])
     assert texts_after["g"]
+
+
+def test_a_shared_kv_cache_serves_too(smollm2_path, reference_text):
+    """The faster mode: one KV cache for all slots. Alone, a sequence still gets its solo text."""
+    e = BatchEngine(str(smollm2_path), context_length=512, parallel=4, threads=2, shared_kv=True)
+    try:
+        alone, _, _ = run(e, [Request("a", chat_tokens(e), 48, GREEDY)])
+        assert alone["a"] == reference_text(CHAT, 48)
+        reqs = [Request(f"r{i}", chat_tokens(e, p), 24, GREEDY) for i, p in enumerate(PROMPTS)]
+        texts, done, errors = run(e, reqs)
+        assert not errors and len(done) == len(PROMPTS) and all(texts.values())
+    finally:
+        e.close()

@@ -139,6 +139,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             n_gpu_layers=request.n_gpu_layers if request.rpc_servers else 0,
             split_mode=request.split_mode or 1,
             tensor_split=list(request.tensor_split),
+            shared_kv=request.shared_kv,
         )
         engine = EngineProcess(config, on_state_change=lambda _e: self._on_change())
         replica = Replica(request, engine)

@@ -96,6 +96,7 @@ class BatchEngine:
         n_gpu_layers: int = -1,
         split_mode: int = L.LLAMA_SPLIT_MODE_LAYER,
         tensor_split: list[float] | None = None,
+        shared_kv: bool = False,
     ):
         """rpc_servers split the model: the last n_gpu_layers layers (-1: all) go to those
         servers, in proportion to tensor_split; the rest stay here."""
@@ -129,10 +130,11 @@ class BatchEngine:
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         self.threads = threads
-        # One KV stream per slot, not a unified cache: a sequence then sits at the same
-        # cells as it would alone, so attention sums in the same order and greedy text is
-        # the same whatever else is batched with it (measured: a unified cache diverges).
-        cparams.kv_unified = False
+        # By default one KV stream per slot, not a unified cache: a sequence then sits at the
+        # same cells as it would alone, so attention sums in the same order and greedy text
+        # is the same whatever else is batched with it (a unified cache diverges). The shared
+        # cache is faster with many sequences (8 streams: 1.6x one stream against 1.2x).
+        cparams.kv_unified = shared_kv
         # Off, as llama-cpp-python's Llama has it, for identical numerics; tensor-parallel
         # splits need it on.
         cparams.flash_attn_type = (

@@ -46,6 +46,7 @@ class EngineConfig:
     n_gpu_layers: int = -1
     split_mode: int = 1  # LLAMA_SPLIT_MODE_LAYER; 3 is tensor parallel
     tensor_split: list[float] = field(default_factory=list)
+    shared_kv: bool = False
 
 
 # ---- child side ----------------------------------------------------------------------
@@ -145,6 +146,7 @@ def child_main(conn, config: EngineConfig) -> None:
             n_gpu_layers=config.n_gpu_layers,
             split_mode=config.split_mode,
             tensor_split=config.tensor_split,
+            shared_kv=config.shared_kv,
         )
     except EngineError as exc:
         conn.send(("load_error", exc.code, exc.message))

@@ -43,6 +43,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "context_length",
             "parallel",
             "routing_policy",
+            "shared_kv",
             "state",
             "error",
             "replica_set",
@@ -64,6 +65,9 @@ class CreateDeploymentSerializer(serializers.Serializer):
     parallel = serializers.IntegerField(required=False, min_value=1, max_value=256)
     routing_policy = serializers.ChoiceField(
         choices=Deployment.Routing.choices, default=Deployment.Routing.LEAST_CONNECTIONS
+    )
+    shared_kv = serializers.BooleanField(
+        default=False, help_text="Faster under load; greedy text may vary with load."
     )
 
 

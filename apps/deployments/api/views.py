@@ -37,6 +37,7 @@ class DeploymentViewSet(
             v.get("context_length"),
             v.get("parallel"),
             v["routing_policy"],
+            v["shared_kv"],
         )
         return Response(DeploymentSerializer(d).data, status=status.HTTP_202_ACCEPTED)
 

@@ -49,7 +49,7 @@ ERROR_CODE_OVERLOADED: ErrorCode
 ERROR_CODE_INVALID_ARGUMENT: ErrorCode
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("replica_id", "model_name", "sha256", "size_bytes", "download_url", "context_length", "parallel", "threads", "chat_template", "rpc_servers", "n_gpu_layers", "split_mode", "tensor_split")
+    __slots__ = ("replica_id", "model_name", "sha256", "size_bytes", "download_url", "context_length", "parallel", "threads", "chat_template", "rpc_servers", "n_gpu_layers", "split_mode", "tensor_split", "shared_kv")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class LoadModelRequest(_message.Message):
     N_GPU_LAYERS_FIELD_NUMBER: _ClassVar[int]
     SPLIT_MODE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_KV_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     model_name: str
     sha256: str
@@ -76,7 +77,8 @@ class LoadModelRequest(_message.Message):
     n_gpu_layers: int
     split_mode: int
     tensor_split: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ..., chat_template: _Optional[str] = ..., rpc_servers: _Optional[_Iterable[str]] = ..., n_gpu_layers: _Optional[int] = ..., split_mode: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ...) -> None: ...
+    shared_kv: bool
+    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ..., chat_template: _Optional[str] = ..., rpc_servers: _Optional[_Iterable[str]] = ..., n_gpu_layers: _Optional[int] = ..., split_mode: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., shared_kv: _Optional[bool] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("state", "error", "memory_bytes", "load_seconds")
