@@ -254,8 +254,9 @@ class Stack:
         print(f"""
 LlamaFleet is up at {self.url}
   API key:   {key}
+  Console:   {self.url}/console/   (create a staff login: make superuser)
   API docs:  {self.url}/api/v1/docs
-  Admin:     {self.url}/admin/   (create a login: make superuser)
+  Admin:     {self.url}/admin/
 
 Try it:
   curl -N {self.url}/v1/chat/completions \\

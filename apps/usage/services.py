@@ -143,10 +143,13 @@ def record_soon(u: Usage) -> None:
     task.add_done_callback(_pending.discard)
 
 
-async def flush() -> None:
-    """Wait for records still being written (tests, shutdown)."""
-    while _pending:
-        await asyncio.gather(*list(_pending), return_exceptions=True)
+async def flush(timeout: float = 10.0) -> None:
+    """Wait for records still being written, from any event loop (tests, shutdown)."""
+    # Polled: tasks of another loop (another thread) cannot be awaited from this one.
+    for _ in range(int(timeout / 0.01)):
+        if not _pending:
+            return
+        await asyncio.sleep(0.01)
 
 
 # ---- node-hours ----------------------------------------------------------------------------
