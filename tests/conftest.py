@@ -131,16 +131,6 @@ class RunningAgent:
         self.thread.join(10)
 
 
-@pytest.fixture(autouse=True)
-async def _usage_writes_done():
-    """Usage records are written in the background after a response: let them land before
-    the test database is emptied (on PostgreSQL a TRUNCATE racing an INSERT deadlocks)."""
-    yield
-    from apps.usage.services import flush
-
-    await flush()
-
-
 @pytest.fixture
 def agent(model_store):
     running = RunningAgent(model_store)
