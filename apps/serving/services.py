@@ -236,10 +236,10 @@ class Generation:
         self._tried: set[str] = set()
         self._call = None
         self._first = None
-        self._token_ids: list[int] = []
+        self.token_ids: list[int] = []  # generated so far, from every replica that served
         self._delivered = 0  # UTF-8 bytes the consumer received
         self._pieces = 0
-        self._first_token_at = 0.0
+        self.first_token_at = 0.0  # time.monotonic() of the first piece
 
     async def _open(self, targets: list[Target], resume: pb.Continuation | None) -> None:
         """Start the stream on the first of `targets` that answers; raises ServingError."""
@@ -292,12 +292,12 @@ class Generation:
                 "server_error",
                 "replica_failed",
             )
-        resume = pb.Continuation(token_ids=self._token_ids, delivered_bytes=self._delivered)
+        resume = pb.Continuation(token_ids=self.token_ids, delivered_bytes=self._delivered)
         log.info(
             "generation %s: %s; moving it to another replica after %d tokens",
             self.id,
             cause.message,
-            len(self._token_ids),
+            len(self.token_ids),
         )
         self.migrations += 1
         metrics.MIGRATIONS.labels(self.params.model).inc()
@@ -314,11 +314,11 @@ class Generation:
                     self._close(cancel=False)
                     yield self._finished(msg)
                     return
-                self._token_ids.extend(msg.token_ids)
+                self.token_ids.extend(msg.token_ids)
                 self.prompt_tokens = msg.prompt_tokens or self.prompt_tokens
                 if msg.text:
-                    if not self._first_token_at:
-                        self._first_token_at = time.monotonic()
+                    if not self.first_token_at:
+                        self.first_token_at = time.monotonic()
                     piece = Piece(msg.text, self._pieces)
                     self._pieces += 1
                     yield piece
@@ -349,7 +349,7 @@ class Generation:
 
     def _finished(self, msg) -> Finished:
         end = time.monotonic()
-        first = self._first_token_at or end
+        first = self.first_token_at or end
         return Finished(
             _FINISH.get(msg.finish_reason, "stop"),
             msg.usage.prompt_tokens,
@@ -515,11 +515,9 @@ async def generate(
             usage.replicas = [t.replica_id for t in gen.served]
             usage.nodes = [t.node_name for t in gen.served]
             usage.prompt_tokens = gen.prompt_tokens
-            usage.completion_tokens = (
-                finished.completion_tokens if finished else len(gen._token_ids)
-            )
-            if gen._first_token_at:
-                usage.time_to_first_token = gen._first_token_at - began
+            usage.completion_tokens = finished.completion_tokens if finished else len(gen.token_ids)
+            if gen.first_token_at:
+                usage.time_to_first_token = gen.first_token_at - began
         metrics.REQUESTS.labels(params.model, usage.deployment, usage.outcome).inc()
         record_soon(usage)
 
