@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pytest
 from channels.testing import WebsocketCommunicator
-from django.test import AsyncClient
 
+from tests.apps.serving_client import post, read_killing_replica
 from tests.conftest import CHAT, SMOLLM2
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 STORY = [{"role": "user", "content": "Write a long story."}]
-
-
-async def post(key, body, path="/v1/chat/completions"):
-    return await AsyncClient().post(
-        path,
-        json.dumps(body),
-        content_type="application/json",
-        headers={"Authorization": f"Bearer {key}"},
-    )
 
 
 async def records(**filters):
@@ -64,11 +53,7 @@ async def test_migrated_failed_and_rejected_requests_are_recorded(
         alice_key, {"model": SMOLLM2, "messages": STORY, "max_tokens": 60, "stream": True}
     )
     first = agents[resp["X-LlamaFleet-Replica"]]
-    chunks = []
-    async for chunk in resp.streaming_content:
-        chunks.append(chunk)
-        if len(chunks) == 4:
-            os.kill(first.engine_pid(first.replica_id), signal.SIGKILL)
+    await read_killing_replica(resp, agents, after=4)
     [moved] = await records()
     assert moved.outcome == "migrated" and moved.completion_tokens == 60
     assert len(moved.replicas) == 2 and moved.replicas[0] == first.replica_id
@@ -76,12 +61,7 @@ async def test_migrated_failed_and_rejected_requests_are_recorded(
     resp = await post(
         alice_key, {"model": SMOLLM2, "messages": STORY, "max_tokens": 200, "stream": True}
     )
-    last = agents[resp["X-LlamaFleet-Replica"]]
-    chunks = []
-    async for chunk in resp.streaming_content:
-        chunks.append(chunk)
-        if len(chunks) == 4:
-            os.kill(last.engine_pid(last.replica_id), signal.SIGKILL)
+    await read_killing_replica(resp, agents, after=4)
     failed = (await records())[-1]
     assert failed.outcome == "error" and failed.error_code == "replica_failed"
     assert failed.prompt_tokens > 0 and 0 < failed.completion_tokens < 200
