@@ -13,13 +13,12 @@ import asyncio
 import itertools
 import logging
 import time
-import weakref
 
-import redis.asyncio as aioredis
 from django.conf import settings
 from redis.exceptions import RedisError
 
 from apps.serving import metrics
+from controlplane.redis import client as _redis
 
 log = logging.getLogger(__name__)
 
@@ -27,19 +26,7 @@ ROUND_ROBIN = "round_robin"
 LEAST_CONNECTIONS = "least_connections"
 
 _local_counter = itertools.count()
-_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _background: set[asyncio.Task] = set()
-
-
-def _redis() -> aioredis.Redis:
-    """A client bound to the running loop (asyncio connections cannot cross loops)."""
-    loop = asyncio.get_running_loop()
-    client = _clients.get(loop)
-    if client is None:
-        client = _clients[loop] = aioredis.Redis.from_url(
-            settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0
-        )
-    return client
 
 
 def _key(replica_id: str) -> str:

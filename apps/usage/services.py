@@ -14,11 +14,11 @@ import io
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
-import redis.asyncio as aioredis
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import IntegrityError, connections, transaction
@@ -28,11 +28,11 @@ from redis.exceptions import RedisError
 
 from apps.deployments.models import Replica
 from apps.usage.models import NodeUsage, Report, UsageRecord
+from controlplane.redis import client as _redis
 
 log = logging.getLogger(__name__)
 
 _pending: set[asyncio.Task] = set()
-_redis_clients: dict[int, aioredis.Redis] = {}
 
 
 # ---- who is asking ------------------------------------------------------------------------
@@ -191,8 +191,6 @@ def account_heartbeat(node, reported: list[dict], previous: datetime | None, now
 
 
 def _is_uuid(value: str) -> bool:
-    import uuid
-
     try:
         uuid.UUID(str(value))
         return True
@@ -209,16 +207,6 @@ class QuotaExceeded(Exception):
     def __init__(self, type_: str, code: str, message: str, retry_after: int):
         super().__init__(message)
         self.type, self.code, self.message, self.retry_after = type_, code, message, retry_after
-
-
-def _redis() -> aioredis.Redis:
-    loop = id(asyncio.get_running_loop())
-    client = _redis_clients.get(loop)
-    if client is None:
-        client = _redis_clients[loop] = aioredis.Redis.from_url(
-            settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0
-        )
-    return client
 
 
 def _periods(now: datetime) -> dict[str, tuple[str, datetime, datetime]]:
