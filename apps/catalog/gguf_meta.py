@@ -43,12 +43,19 @@ def read_metadata(path: str | Path) -> dict:
     n_layers = int(_field(reader, f"{arch}.block_count") or 0)
     per_layer = [0] * n_layers
     other = 0
+    sizes = {}
     for t in reader.tensors:
         m = _BLOCK.match(t.name)
         if m and int(m.group(1)) < n_layers:
             per_layer[int(m.group(1))] += int(t.n_bytes)
         else:
             other += int(t.n_bytes)
+            sizes[t.name] = int(t.n_bytes)
+    embeddings = sizes.get("token_embd.weight", 0)
+    # Without its own output matrix a model reuses the embeddings (tied), and llama.cpp
+    # copies them to the device that computes the logits.
+    output = sizes.get("output.weight", embeddings) + sizes.get("output_norm.weight", 0)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
     file_type = _field(reader, "general.file_type")
     try:
         quantization = gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
@@ -71,5 +78,10 @@ def read_metadata(path: str | Path) -> dict:
         "context_length": int(_field(reader, f"{arch}.context_length") or 0),
         "bytes_per_layer": per_layer,
         "bytes_outside_layers": other,
+        "bytes_embeddings": embeddings,
+        "bytes_output": output,
+        "n_vocab": int(_field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else 0)),
+        "n_ff": int(_field(reader, f"{arch}.feed_forward_length") or 0),
+        "sliding_window": int(_field(reader, f"{arch}.attention.sliding_window") or 0),
         "has_chat_template": _field(reader, "tokenizer.chat_template") is not None,
     }

@@ -32,6 +32,15 @@ class CatalogModel(models.Model):
     context_length = models.PositiveIntegerField(default=0, help_text="Trained context window.")
     bytes_per_layer = models.JSONField(default=list, blank=True)
     bytes_outside_layers = models.BigIntegerField(default=0, help_text="Embeddings, output, norms.")
+    bytes_embeddings = models.BigIntegerField(default=0, help_text="Token embeddings (input).")
+    bytes_output = models.BigIntegerField(
+        default=0, help_text="Output matrix and norm (a copy of the embeddings when tied)."
+    )
+    n_vocab = models.PositiveIntegerField(default=0)
+    n_ff = models.PositiveIntegerField(default=0, help_text="Feed-forward width.")
+    sliding_window = models.PositiveIntegerField(
+        default=0, help_text="Sliding-window attention span (0: none)."
+    )
     has_chat_template = models.BooleanField(default=False, help_text="The file carries one.")
     chat_template = models.TextField(
         blank=True, help_text="Jinja chat template used when the file carries none."

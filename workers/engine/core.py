@@ -109,6 +109,9 @@ class BatchEngine:
             mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
             mparams.n_gpu_layers = n_gpu_layers
             mparams.split_mode = split_mode
+            # Read the head's own tensors into memory instead of mapping the whole file: the
+            # offloaded layers then take no room here, and llama.cpp reports what is held.
+            mparams.load_mode = L.LLAMA_LOAD_MODE_NONE
             if tensor_split:
                 self._split = (ctypes.c_float * len(tensor_split))(*tensor_split)
                 mparams.tensor_split = self._split
