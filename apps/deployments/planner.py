@@ -350,13 +350,12 @@ def _split(m, r, usable, links, mode, whole) -> Plan:
         candidates = sorted(usable, key=lambda n: -_room(n))[: max(r.max_nodes, 2)]
         sizes = range(2, len(candidates) + 1)
     for k in sizes:
-        chosen = candidates[:k]
-        head = chosen[0] if r.pin_nodes else _best_head(chosen, links)
-        # The last stage computes the logits (and holds the output): give it the most room.
-        rest = sorted((n for n in chosen if n is not head), key=_room)
-        stages = _assign(m, r, [head, *rest], mode)
-        if stages is not None:
-            return _split_plan(m, r, stages, links, mode, whole)
+        for chosen in [candidates] if r.pin_nodes else _sets(candidates, k, links):
+            head, rest = chosen[0], chosen[1:]
+            # The last stage computes the logits and holds the output: the most room.
+            stages = _assign(m, r, [head, *sorted(rest, key=_room)], mode)
+            if stages is not None:
+                return _split_plan(m, r, stages, links, mode, whole)
     chosen = candidates
     have = sum(max(_room(n), 0) for n in chosen)
     need = _split_total(m, r, len(chosen), mode) if len(chosen) > 1 else whole
@@ -369,15 +368,37 @@ def _split(m, r, usable, links, mode, whole) -> Plan:
     )
 
 
-def _best_head(chosen: list[NodeState], links: dict[tuple[str, str], Link]) -> NodeState:
-    """The head talks to every stage: the node whose slowest measured link is fastest, then
-    the one with the most free memory."""
+def _sets(candidates: list[NodeState], k: int, links) -> list[list[NodeState]]:
+    """Sets of k nodes to try, head first: with measured links, a head and the k-1 nodes
+    best linked to it (no slow link), among the roomiest; then the k roomiest nodes,
+    headed by the one whose slowest link is fastest."""
+    out = []
+    if links:
+        top = candidates[:64]
+        for h in top:
+            others = sorted(
+                (n for n in top if n is not h), key=lambda n: (_slowness(links, h, n), -_room(n))
+            )
+            others = others[: k - 1]
+            if len(others) == k - 1 and all(_slowness(links, h, o) < 2 for o in others):
+                out.append([h, *others])
+    roomiest = candidates[:k]
 
     def worst(n: NodeState) -> float:
-        found = (_link(links, n.name, o.name) for o in chosen if o is not n)
+        found = (_link(links, n.name, o.name) for o in roomiest if o is not n)
         return max((lk.rtt_ms for lk in found if lk), default=0.0)
 
-    return min(chosen, key=lambda n: (worst(n), -_room(n)))
+    head = min(roomiest, key=lambda n: (worst(n), -_room(n)))
+    out.append([head, *(n for n in roomiest if n is not head)])
+    return out
+
+
+def _slowness(links, a: NodeState, b: NodeState) -> int:
+    """0: a fast measured link, 1: not measured, 2: slow."""
+    lk = _link(links, a.name, b.name)
+    if lk is None:
+        return 1
+    return 2 if lk.rtt_ms > SLOW_RTT_MS or lk.mbit_s < THIN_MBIT else 0
 
 
 def _link(links, a: str, b: str) -> Link | None:

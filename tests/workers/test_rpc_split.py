@@ -95,3 +95,39 @@ def test_rpc_servers_refuse_bad_ports(head_and_stage):
     with pytest.raises(grpc.RpcError) as err:
         stub.StartRpcServer(pb.StartRpcServerRequest(port=0), metadata=AUTH)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_head_checks_rpc_servers_and_measures_links(head_and_stage):
+    (head, head_stub), (stage, stage_stub) = head_and_stage
+    port, dead = free_port(), free_port()
+    status = stage_stub.StartRpcServer(
+        pb.StartRpcServerRequest(port=port, threads=1), metadata=AUTH
+    )
+    checks = head_stub.CheckRpcServers(
+        pb.CheckRpcServersRequest(endpoints=[status.endpoint, f"127.0.0.1:{dead}"]), metadata=AUTH
+    ).servers
+    assert checks[0].ok and checks[0].total_bytes > 0 and checks[0].connect_ms > 0, checks[0]
+    assert not checks[1].ok and "cannot connect" in checks[1].error
+    # Something that accepts but does not speak ggml RPC: the handshake fails, clearly.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        ep = f"127.0.0.1:{listener.getsockname()[1]}"
+        [bad] = head_stub.CheckRpcServers(
+            pb.CheckRpcServersRequest(endpoints=[ep]), metadata=AUTH, timeout=30
+        ).servers
+    assert not bad.ok and "handshake" in bad.error
+    # The server still serves a head after the check.
+    [again] = head_stub.CheckRpcServers(
+        pb.CheckRpcServersRequest(endpoints=[status.endpoint]), metadata=AUTH
+    ).servers
+    assert again.ok
+
+    link = head_stub.MeasureLink(
+        pb.MeasureLinkRequest(target=stage.address, bytes=4 << 20), metadata=AUTH, timeout=60
+    )
+    assert not link.error and 0 < link.rtt_ms < 100 and link.mbit_s > 10, link
+    gone = head_stub.MeasureLink(
+        pb.MeasureLinkRequest(target=f"127.0.0.1:{dead}"), metadata=AUTH, timeout=60
+    )
+    assert gone.error

@@ -4,10 +4,18 @@ returns, has no stop call and serves one head at a time)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import multiprocessing
+import os
 import socket
+import statistics
+import sys
 import time
+
+import grpc
+from llamafleet.agent.v1 import agent_pb2 as pb
+from llamafleet.agent.v1 import agent_pb2_grpc
 
 from workers.engine.errors import EngineError
 from workers.engine.process import describe_exit
@@ -77,3 +85,69 @@ class RpcServer:
     @property
     def pid(self) -> int:
         return self._proc.pid if self.running else 0
+
+
+async def check(endpoint: str, timeout: float = 10.0) -> pb.RpcServerCheck:
+    """Can a head on this node use the rpc server at endpoint? TCP first (a clear error and
+    the connect time), then ggml's own HELLO handshake and memory query in a child process:
+    llama.cpp aborts on a failed or incompatible connection."""
+    out = pb.RpcServerCheck(endpoint=endpoint)
+    host, _, port = endpoint.rpartition(":")
+    started = time.perf_counter()
+    try:
+        await asyncio.wait_for(asyncio.to_thread(_connect, host, int(port)), timeout)
+    except (OSError, ValueError, TimeoutError) as exc:
+        out.error = f"cannot connect to {endpoint}: {exc or type(exc).__name__}"
+        return out
+    out.connect_ms = (time.perf_counter() - started) * 1000
+    env = dict(os.environ, GGML_NO_BACKTRACE="1")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "workers.engine.rpc", "check", endpoint,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        out.error = f"{endpoint} accepted a connection but did not answer the RPC handshake"
+        return out
+    if proc.returncode != 0:
+        lines = [ln for ln in stderr.decode(errors="replace").splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "version" in ln.lower()), lines[-1] if lines else "")
+        out.error = f"{endpoint} failed the RPC handshake: {why.split(': ', 1)[-1] or 'aborted'}"
+        return out
+    facts = json.loads(stdout.decode().strip().splitlines()[-1])
+    out.ok, out.free_bytes, out.total_bytes = True, facts["free_bytes"], facts["total_bytes"]
+    return out
+
+
+def _connect(host: str, port: int) -> None:
+    with socket.create_connection((host, port), timeout=3):
+        pass
+
+
+async def measure_link(target: str, metadata, total_bytes: int) -> pb.LinkMeasurement:
+    """Median round trip of 7 empty Echo calls, then throughput of 1 MiB Echo calls."""
+    out = pb.LinkMeasurement(target=target)
+    chunk = b"\0" * (1 << 20)
+    try:
+        async with grpc.aio.insecure_channel(
+            target, options=[("grpc.max_receive_message_length", 8 << 20)]
+        ) as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            rtts = []
+            for _ in range(7):
+                t = time.perf_counter()
+                await stub.Echo(pb.EchoRequest(), metadata=metadata, timeout=5)
+                rtts.append(time.perf_counter() - t)
+            n = max(1, (total_bytes or 8 << 20) // len(chunk))
+            t = time.perf_counter()
+            for _ in range(n):
+                await stub.Echo(pb.EchoRequest(payload=chunk), metadata=metadata, timeout=30)
+            seconds = time.perf_counter() - t
+    except grpc.RpcError as exc:
+        out.error = f"{target}: {exc.details() or exc.code()}"
+        return out
+    out.rtt_ms = statistics.median(rtts) * 1000
+    out.mbit_s = n * len(chunk) * 8 / seconds / 1e6
+    return out

@@ -12,7 +12,7 @@ from llamafleet.agent.v1 import agent_pb2 as pb
 from llamafleet.agent.v1 import agent_pb2_grpc
 
 import workers
-from workers.agent import system
+from workers.agent import rpc_servers, system
 from workers.agent.metrics import AgentMetrics
 from workers.agent.rpc_servers import RpcServer
 from workers.agent.store import ModelStore
@@ -238,6 +238,20 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             server.stop()
             self._on_change()
         return pb.StopRpcServerResponse(stopped=server is not None)
+
+    async def CheckRpcServers(self, request, context):
+        checks = await asyncio.gather(*(rpc_servers.check(ep) for ep in request.endpoints))
+        return pb.CheckRpcServersResponse(servers=checks)
+
+    async def MeasureLink(self, request, context):
+        # The caller's node token opens the other agent too (agents share it).
+        auth = dict(context.invocation_metadata()).get("authorization", "")
+        return await rpc_servers.measure_link(
+            request.target, (("authorization", auth),), request.bytes
+        )
+
+    async def Echo(self, request, context):
+        return pb.EchoResponse(size=len(request.payload))
 
     def status(self) -> pb.NodeStatus:
         total, available = system.meminfo()

@@ -68,3 +68,28 @@ def devices(endpoints: list[str]) -> ctypes.Array:
             for i in range(base.ggml_backend_reg_dev_count(reg))
         )
     return (ctypes.c_void_p * (len(found) + 1))(*found, None)
+
+
+def device_memory(endpoint: str) -> tuple[int, int]:
+    """(free, total) bytes an rpc server's first device offers. Connecting runs ggml's HELLO
+    handshake, which checks the protocol version; a failure may abort the process, so
+    call this in a child (python -m workers.engine.rpc check ENDPOINT...)."""
+    _, _, rpc = _libs()
+    rpc.ggml_backend_rpc_get_device_memory.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_uint32,
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.POINTER(ctypes.c_size_t),
+    ]
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    rpc.ggml_backend_rpc_get_device_memory(endpoint.encode(), 0, free, total)
+    return free.value, total.value
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if sys.argv[1:2] == ["check"]:
+        free, total = device_memory(sys.argv[2])
+        print(json.dumps({"free_bytes": free, "total_bytes": total}), flush=True)

@@ -266,6 +266,66 @@ class StopRpcServerResponse(_message.Message):
     stopped: bool
     def __init__(self, stopped: _Optional[bool] = ...) -> None: ...
 
+class CheckRpcServersRequest(_message.Message):
+    __slots__ = ("endpoints",)
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RpcServerCheck(_message.Message):
+    __slots__ = ("endpoint", "ok", "connect_ms", "free_bytes", "total_bytes", "error")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    CONNECT_MS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    ok: bool
+    connect_ms: float
+    free_bytes: int
+    total_bytes: int
+    error: str
+    def __init__(self, endpoint: _Optional[str] = ..., ok: _Optional[bool] = ..., connect_ms: _Optional[float] = ..., free_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class CheckRpcServersResponse(_message.Message):
+    __slots__ = ("servers",)
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    servers: _containers.RepeatedCompositeFieldContainer[RpcServerCheck]
+    def __init__(self, servers: _Optional[_Iterable[_Union[RpcServerCheck, _Mapping]]] = ...) -> None: ...
+
+class MeasureLinkRequest(_message.Message):
+    __slots__ = ("target", "bytes")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    bytes: int
+    def __init__(self, target: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class LinkMeasurement(_message.Message):
+    __slots__ = ("target", "rtt_ms", "mbit_s", "error")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    MBIT_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    rtt_ms: float
+    mbit_s: float
+    error: str
+    def __init__(self, target: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., mbit_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class EchoRequest(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class EchoResponse(_message.Message):
+    __slots__ = ("size",)
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    def __init__(self, size: _Optional[int] = ...) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

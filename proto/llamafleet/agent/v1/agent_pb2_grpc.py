@@ -77,6 +77,21 @@ class NodeAgentStub:
                 request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.StopRpcServerRequest.SerializeToString,
                 response_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.StopRpcServerResponse.FromString,
                 _registered_method=True)
+        self.CheckRpcServers = channel.unary_unary(
+                '/llamafleet.agent.v1.NodeAgent/CheckRpcServers',
+                request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.CheckRpcServersRequest.SerializeToString,
+                response_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.CheckRpcServersResponse.FromString,
+                _registered_method=True)
+        self.MeasureLink = channel.unary_unary(
+                '/llamafleet.agent.v1.NodeAgent/MeasureLink',
+                request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.MeasureLinkRequest.SerializeToString,
+                response_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.LinkMeasurement.FromString,
+                _registered_method=True)
+        self.Echo = channel.unary_unary(
+                '/llamafleet.agent.v1.NodeAgent/Echo',
+                request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.EchoRequest.SerializeToString,
+                response_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.EchoResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -144,6 +159,28 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckRpcServers(self, request, context):
+        """From this node, as a head would: can these rpc servers be reached, do they speak our
+        ggml RPC protocol version, and how much memory do they offer?
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MeasureLink(self, request, context):
+        """Round-trip time and throughput from this node to another agent (it answers Echo).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Echo(self, request, context):
+        """Answer with the payload's size: what MeasureLink times.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +223,21 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.StopRpcServer,
                     request_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.StopRpcServerRequest.FromString,
                     response_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.StopRpcServerResponse.SerializeToString,
+            ),
+            'CheckRpcServers': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckRpcServers,
+                    request_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.CheckRpcServersRequest.FromString,
+                    response_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.CheckRpcServersResponse.SerializeToString,
+            ),
+            'MeasureLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.MeasureLink,
+                    request_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.MeasureLinkRequest.FromString,
+                    response_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.LinkMeasurement.SerializeToString,
+            ),
+            'Echo': grpc.unary_unary_rpc_method_handler(
+                    servicer.Echo,
+                    request_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.EchoRequest.FromString,
+                    response_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.EchoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -407,6 +459,87 @@ class NodeAgent:
             '/llamafleet.agent.v1.NodeAgent/StopRpcServer',
             llamafleet_dot_agent_dot_v1_dot_agent__pb2.StopRpcServerRequest.SerializeToString,
             llamafleet_dot_agent_dot_v1_dot_agent__pb2.StopRpcServerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckRpcServers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llamafleet.agent.v1.NodeAgent/CheckRpcServers',
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.CheckRpcServersRequest.SerializeToString,
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.CheckRpcServersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MeasureLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llamafleet.agent.v1.NodeAgent/MeasureLink',
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.MeasureLinkRequest.SerializeToString,
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.LinkMeasurement.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Echo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llamafleet.agent.v1.NodeAgent/Echo',
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.EchoRequest.SerializeToString,
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.EchoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,153 @@
+"""The planner as a pure function on made-up clusters (no database, no agents)."""
+
+from __future__ import annotations
+
+import pytest
+
+from apps.deployments import planner as P
+
+GiB = P.GiB
+
+# A 30-layer model of 10 GiB of layers plus 1 GiB of embeddings and 1 GiB of output.
+BIG = P.ModelFacts(
+    name="big",
+    n_layers=30,
+    bytes_per_layer=tuple([10 * GiB // 30] * 30),
+    bytes_embeddings=GiB,
+    bytes_output=GiB,
+    file_bytes=12 * GiB,
+    n_heads=32,
+    n_kv_heads=8,
+    head_dim=128,
+    n_embd=4096,
+    n_vocab=32000,
+    n_ff=14336,
+)
+REQ = P.Request(context_length=4096, parallel=2)
+
+
+def nodes(*free_gib, **kw):
+    return [P.NodeState(f"n{i}", int(g * GiB), **kw) for i, g in enumerate(free_gib)]
+
+
+def test_a_model_that_fits_runs_as_replicas_spread_over_nodes():
+    p = P.plan(BIG, P.Request(4096, 2, replicas=3), nodes(40, 30, 20, 5))
+    assert p.kind == "replicas" and not p.error
+    assert [s.node for s in p.stages] == ["n0", "n1", "n2"]  # spread, most free first
+    assert p.needed_bytes == P.replica_stage(BIG, REQ).total_bytes
+    assert "no split" in p.reasons[0]
+
+
+def test_more_replicas_than_nodes_double_up_only_where_two_fit():
+    p = P.plan(BIG, P.Request(4096, 2, replicas=3), nodes(40, 15))
+    assert [s.node for s in p.stages] == ["n0", "n1", "n0"]
+    p = P.plan(BIG, P.Request(4096, 2, replicas=3), nodes(20, 15))
+    assert [s.node for s in p.stages] == ["n0", "n1"]
+    assert p.warnings == ["only 2 of 3 replica(s) fit now"]
+
+
+def test_a_model_too_big_for_any_node_is_split_over_the_fewest_nodes():
+    p = P.plan(BIG, REQ, nodes(8, 8, 8, 8, 2))
+    assert p.kind == "split" and p.split_mode == "layer"
+    assert len(p.stages) == 2
+    head, stage = p.stages
+    assert head.role == "head" and stage.role == "stage"
+    # Contiguous ranges covering every layer once; the head keeps the first ones.
+    assert head.layer_start == 0 and head.layer_end == stage.layer_start
+    assert stage.layer_end == BIG.n_layers
+    assert all(s.total_bytes <= 8 * GiB for s in p.stages)
+    # llama.cpp's view: the output counts as a layer and goes with the last device.
+    assert p.n_gpu_layers == BIG.n_layers + 1 - head.layers
+    assert p.tensor_split == [stage.layers + 1]
+    assert "fewest" in p.reasons[0]
+
+
+def test_three_nodes_when_two_do_not_hold_it():
+    p = P.plan(BIG, REQ, nodes(6, 6, 6, 6))
+    assert p.kind == "split" and len(p.stages) == 3
+    ranges = [(s.layer_start, s.layer_end) for s in p.stages]
+    assert ranges[0][0] == 0 and ranges[-1][1] == 30
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert all(s.layers >= 1 for s in p.stages[1:])
+    assert all(s.total_bytes <= 6 * GiB for s in p.stages)
+    assert sum(p.tensor_split) == p.n_gpu_layers
+
+
+def test_refusal_says_how_much_is_needed_and_how_much_there_is():
+    p = P.plan(BIG, REQ, nodes(3, 3, 2, 1))
+    assert p.kind == "refused"
+    assert (
+        "needs " in p.error and "the largest feasible set of healthy nodes has 9.00 GiB" in p.error
+    )
+    assert p.needed_bytes > 9 * GiB
+
+
+def test_draining_and_unready_nodes_are_not_used():
+    cluster = nodes(40, ready=False) + [P.NodeState("d", 40 * GiB, draining=True)]
+    p = P.plan(BIG, REQ, cluster)
+    assert p.kind == "refused" and "no node is ready" in p.error
+    p = P.plan(BIG, REQ, cluster + [P.NodeState("ok", 40 * GiB)])
+    assert [s.node for s in p.stages] == ["ok"]
+
+
+def test_pinned_nodes_and_a_forced_split_mode():
+    cluster = nodes(40, 40, 40)
+    p = P.plan(BIG, P.Request(4096, 2, split_mode="layer", pin_nodes=("n2", "n0")), cluster)
+    assert p.kind == "split" and [s.node for s in p.stages] == ["n2", "n0"]
+    p = P.plan(BIG, P.Request(4096, 2, split_mode="tensor", pin_nodes=("n1", "n2", "n0")), cluster)
+    assert p.split_mode == "tensor" and p.n_gpu_layers == -1
+    assert [s.role for s in p.stages] == ["head", "stage", "stage"]
+    assert sum(p.tensor_split) == pytest.approx(1, abs=1e-3)
+    assert any("flash attention" in r for r in p.reasons)
+    p = P.plan(BIG, P.Request(4096, 2, pin_nodes=("n1",)), cluster)
+    assert p.kind == "replicas" and [s.node for s in p.stages] == ["n1"]
+    assert (
+        "unknown node(s): nope"
+        in P.plan(BIG, P.Request(4096, 2, pin_nodes=("nope",)), cluster).error
+    )
+    p = P.plan(BIG, P.Request(4096, 2, split_mode="none"), nodes(8, 8))
+    assert p.kind == "refused" and "on one node" in p.error
+    assert P.plan(BIG, P.Request(4096, 2, split_mode="diagonal"), cluster).kind == "refused"
+
+
+def test_a_split_prefers_a_head_with_fast_links_and_warns_about_slow_ones():
+    cluster = nodes(8, 8, 8)
+    links = {
+        ("n0", "n1"): P.Link(rtt_ms=5.0, mbit_s=100),
+        ("n0", "n2"): P.Link(rtt_ms=5.0, mbit_s=100),
+        ("n1", "n2"): P.Link(rtt_ms=0.1, mbit_s=10000),
+    }
+    p = P.plan(BIG, REQ, cluster, links)
+    assert {s.node for s in p.stages} == {"n1", "n2"} and not p.warnings
+    # Forced over the slow links, the plan says so.
+    p = P.plan(BIG, P.Request(4096, 2, pin_nodes=("n0", "n1")), cluster, links)
+    assert any("slow link n0 <-> n1: 5.00 ms" in w for w in p.warnings)
+    p = P.plan(BIG, REQ, cluster)
+    assert any("not measured" in w for w in p.warnings)
+
+
+def test_accelerator_memory_takes_layers_first():
+    """A node with (reported) accelerator memory gets n_gpu_layers for what fits there."""
+    cluster = [P.NodeState("gpu", 4 * GiB, accelerator_bytes=(10 * GiB,))]
+    p = P.plan(BIG, REQ, cluster)
+    assert p.kind == "replicas"
+    [s] = p.stages
+    per_layer = BIG.bytes_per_layer[0] + P.kv_bytes(BIG, REQ, 1)
+    assert s.n_gpu_layers == min(30, 10 * GiB // per_layer)
+    assert any("n_gpu_layers" in r for r in p.reasons)
+
+
+def test_kv_and_compute_grow_with_context_and_slots():
+    small = P.replica_stage(BIG, P.Request(1024, 1))
+    big = P.replica_stage(BIG, P.Request(8192, 4))
+    assert big.kv_bytes == small.kv_bytes * 32
+    assert big.compute_bytes > small.compute_bytes
+    assert P.kv_cells(1000) == 1024  # padded to 256
+
+
+def test_a_thousand_nodes_plan_quickly_enough_to_run_per_request():
+    """Correctness at scale (timing is in bench/planner.py): 1,000 nodes of 2 GiB."""
+    cluster = nodes(*([2] * 1000))
+    p = P.plan(BIG, REQ, cluster)
+    assert p.kind == "split" and 7 <= len(p.stages) <= 16
+    assert sum(s.layers for s in p.stages) == 30
