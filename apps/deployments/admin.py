@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from apps.deployments.models import Deployment, DeploymentEvent, Replica
+from apps.deployments.models import Deployment, DeploymentEvent, PlanStage, Replica, ShardPlan
 
 
 class ReplicaInline(admin.TabularInline):
@@ -27,9 +27,10 @@ class DeploymentAdmin(admin.ModelAdmin):
         "replicas",
         "context_length",
         "parallel",
+        "split_mode",
         "updated_at",
     )
-    list_filter = ("state",)
+    list_filter = ("state", "split_mode")
     search_fields = ("name",)
     readonly_fields = ("state", "error", "created_at", "updated_at")
     inlines = [ReplicaInline, EventInline]
@@ -47,3 +48,23 @@ class DeploymentEventAdmin(admin.ModelAdmin):
     list_display = ("created_at", "deployment", "level", "message")
     list_filter = ("level",)
     readonly_fields = [f.name for f in DeploymentEvent._meta.fields]
+
+
+class PlanStageInline(admin.TabularInline):
+    model = PlanStage
+    extra = 0
+    fields = (
+        "position", "role", "node_name", "layer_start", "layer_end", "weights_bytes",
+        "kv_bytes", "compute_bytes", "total_bytes", "n_gpu_layers", "endpoint",
+    )  # fmt: skip
+    readonly_fields = fields
+
+
+@admin.register(ShardPlan)
+class ShardPlanAdmin(admin.ModelAdmin):
+    """Plans are the planner's record: read them here, change a deployment to re-plan."""
+
+    list_display = ("id", "deployment", "kind", "split_mode", "needed_bytes", "created_at")
+    list_filter = ("kind", "split_mode")
+    readonly_fields = [f.name for f in ShardPlan._meta.fields]
+    inlines = [PlanStageInline]

@@ -40,6 +40,19 @@ class Deployment(models.Model):
         default=Routing.LEAST_CONNECTIONS,
         help_text="How requests pick among ready replicas; counts are shared through Redis.",
     )
+
+    class SplitMode(models.TextChoices):
+        AUTO = "auto", "auto: replicas when a node holds the model, else a layer split"
+        NONE = "none", "none: whole copies only"
+        LAYER = "layer", "layer split (pipeline)"
+        TENSOR = "tensor", "tensor parallel (flash attention on)"
+
+    split_mode = models.CharField(max_length=10, choices=SplitMode.choices, default=SplitMode.AUTO)
+    pin_nodes = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Only these nodes (names); the first is the head of a split.",
+    )
     state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -50,6 +63,68 @@ class Deployment(models.Model):
 
     def __str__(self):
         return self.name
+
+
+class ShardPlan(models.Model):
+    """Where the planner put (part of) a deployment, and why: replicas on single nodes, or
+    one copy split over a head and rpc stages."""
+
+    class Kind(models.TextChoices):
+        REPLICAS = "replicas"
+        SPLIT = "split"
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="plans")
+    kind = models.CharField(max_length=10, choices=Kind.choices)
+    split_mode = models.CharField(max_length=10, default="none")
+    #: The head's LoadModel: layers offloaded to the rpc devices and each one's share.
+    n_gpu_layers = models.IntegerField(default=0)
+    tensor_split = models.JSONField(default=list, blank=True)
+    needed_bytes = models.BigIntegerField(default=0)
+    reasons = models.JSONField(default=list, blank=True)
+    warnings = models.JSONField(default=list, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self):
+        return f"{self.deployment.name}: {self.kind} plan #{self.pk}"
+
+
+class PlanStage(models.Model):
+    """One node's part of a plan, with the memory it was planned to take."""
+
+    class Role(models.TextChoices):
+        REPLICA = "replica"
+        HEAD = "head"
+        STAGE = "stage"
+
+    plan = models.ForeignKey(ShardPlan, on_delete=models.CASCADE, related_name="stages")
+    position = models.PositiveIntegerField()
+    node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, related_name="stages")
+    node_name = models.CharField(max_length=100)
+    role = models.CharField(max_length=10, choices=Role.choices)
+    layer_start = models.PositiveIntegerField()
+    layer_end = models.PositiveIntegerField()
+    weights_bytes = models.BigIntegerField()
+    kv_bytes = models.BigIntegerField()
+    compute_bytes = models.BigIntegerField()
+    overhead_bytes = models.BigIntegerField()
+    total_bytes = models.BigIntegerField()
+    n_gpu_layers = models.PositiveIntegerField(default=0)
+    #: Where this stage's rpc server listens, once started (stages only).
+    rpc_port = models.PositiveIntegerField(null=True, blank=True)
+    endpoint = models.CharField(max_length=255, blank=True)
+
+    class Meta:
+        ordering = ["plan", "position"]
+
+    def __str__(self):
+        return f"{self.role} on {self.node_name}"
+
+    @property
+    def layers(self) -> int:
+        return self.layer_end - self.layer_start
 
 
 class Replica(models.Model):
@@ -68,6 +143,10 @@ class Replica(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="replica_set")
     node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="replicas")
+    #: The plan this replica came from; a split replica's stages are that plan's.
+    plan = models.ForeignKey(
+        ShardPlan, on_delete=models.SET_NULL, null=True, blank=True, related_name="replicas"
+    )
     state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
     error = models.TextField(blank=True)
     memory_bytes = models.BigIntegerField(default=0)

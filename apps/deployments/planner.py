@@ -91,6 +91,8 @@ class NodeState:
     draining: bool = False
     #: Accelerator memory per device, in bytes; the layers that fit there go there.
     accelerator_bytes: tuple[int, ...] = ()
+    #: Replicas of the same deployment it already holds (new ones spread away from it).
+    holds: int = 0
 
 
 @dataclass(frozen=True)
@@ -284,18 +286,18 @@ def _room(n: NodeState) -> int:
 
 
 def _replicas(m: ModelFacts, r: Request, fits: list[NodeState], whole: int) -> Plan:
-    """Spread replicas over the nodes that hold a whole copy, most free memory first."""
-    order = sorted(fits, key=lambda n: -_room(n))
-    free = {n.name: _room(n) for n in order}
+    """Spread replicas over the nodes that hold a whole copy."""
+    free = {n.name: _room(n) for n in fits}
+    held = {n.name: n.holds for n in fits}
     stages: list[Stage] = []
-    for i in range(r.replicas):
-        # Spread: the i-th replica goes to the i-th node; more replicas than nodes wrap.
-        node = order[i % len(order)]
-        if free[node.name] < whole:
-            node = next((n for n in order if free[n.name] >= whole), None)
-            if node is None:
-                break
+    for _ in range(r.replicas):
+        # Spread: the node holding fewest copies of this deployment, then the most free.
+        room = [n for n in fits if free[n.name] >= whole]
+        if not room:
+            break
+        node = min(room, key=lambda n: (held[n.name], -free[n.name]))
         free[node.name] -= whole
+        held[node.name] += 1
         s = replica_stage(m, r)
         s.node = node.name
         s.n_gpu_layers = _gpu_layers(m, r, node, 0, m.n_layers)

@@ -13,12 +13,13 @@ import uuid
 import grpc
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, Q
+from django.db.models import Count
 from django.urls import reverse
 from django.utils import timezone
 
 from apps.catalog.models import CatalogModel
-from apps.deployments.models import Deployment, DeploymentEvent, Replica
+from apps.deployments import placement
+from apps.deployments.models import Deployment, DeploymentEvent, PlanStage, Replica, ShardPlan
 from apps.nodes import agent_client
 from apps.nodes.models import Node
 from controlplane.errors import Conflict, DomainError, NotFound
@@ -27,16 +28,8 @@ log = logging.getLogger(__name__)
 S = Replica.State
 D = Deployment.State
 
-#: Compute buffers and runtime overhead of one engine process, on top of weights and KV.
-ENGINE_OVERHEAD_BYTES = 160 * 1024 * 1024
 #: How long a LoadModel call may take (download included).
 LOAD_TIMEOUT_SECONDS = 900
-
-
-def estimate_memory_bytes(model: CatalogModel, context_length: int, parallel: int) -> int:
-    """Memory one replica needs: weights + f16 KV cache for every slot + overhead."""
-    kv_per_token = 2 * model.n_layers * model.n_kv_heads * model.head_dim * 2
-    return model.size_bytes + kv_per_token * context_length * parallel + ENGINE_OVERHEAD_BYTES
 
 
 def record_event(deployment: Deployment, message: str, level: str = "info", replica=None) -> None:
@@ -50,7 +43,13 @@ def record_event(deployment: Deployment, message: str, level: str = "info", repl
 
 
 def check_create(
-    name: str, model_name: str, replicas: int, context_length: int | None, parallel: int | None
+    name: str,
+    model_name: str,
+    replicas: int,
+    context_length: int | None,
+    parallel: int | None,
+    split_mode: str = Deployment.SplitMode.AUTO,
+    pin_nodes: list[str] | None = None,
 ) -> tuple[CatalogModel, int, int]:
     model = CatalogModel.objects.filter(name=model_name).first()
     if model is None:
@@ -72,6 +71,13 @@ def check_create(
         )
     if not 16 <= context_length <= 1 << 20 or not 1 <= parallel <= 256:
         raise DomainError("context_length must be 16..1048576 and parallel 1..256")
+    if split_mode not in Deployment.SplitMode.values:
+        raise DomainError(f"split_mode must be one of {', '.join(Deployment.SplitMode.values)}")
+    if split_mode in (Deployment.SplitMode.LAYER, Deployment.SplitMode.TENSOR) and replicas != 1:
+        raise DomainError("a split deployment runs one copy: replicas must be 1")
+    unknown = set(pin_nodes or ()) - set(Node.objects.values_list("name", flat=True))
+    if unknown:
+        raise DomainError(f"unknown node(s) to pin: {', '.join(sorted(unknown))}")
     return model, context_length, parallel
 
 
@@ -83,13 +89,15 @@ def do_create(
     parallel: int | None = None,
     routing_policy: str = Deployment.Routing.LEAST_CONNECTIONS,
     shared_kv: bool = False,
+    split_mode: str = Deployment.SplitMode.AUTO,
+    pin_nodes: list[str] | None = None,
 ) -> Deployment:
     """Record a deployment and start reconciling it."""
     from apps.deployments.tasks import reconcile_deployment
 
     with transaction.atomic():
         model, context_length, parallel = check_create(
-            name, model_name, replicas, context_length, parallel
+            name, model_name, replicas, context_length, parallel, split_mode, pin_nodes
         )
         d = Deployment.objects.create(
             name=name,
@@ -99,11 +107,14 @@ def do_create(
             parallel=parallel,
             routing_policy=routing_policy,
             shared_kv=shared_kv,
+            split_mode=split_mode,
+            pin_nodes=list(pin_nodes or []),
         )
         record_event(
             d,
             f"created: {model.name}, {replicas} replica(s), "
-            f"context {context_length} x {parallel} slots",
+            f"context {context_length} x {parallel} slots, split mode {split_mode}"
+            + (f", pinned to {', '.join(pin_nodes)}" if pin_nodes else ""),
         )
         transaction.on_commit(lambda: reconcile_deployment.delay(d.pk))
     return d
@@ -114,6 +125,11 @@ def do_scale(d: Deployment, replicas: int) -> Deployment:
 
     if not 1 <= replicas <= 64:
         raise DomainError("replicas must be between 1 and 64")
+    if replicas != 1 and (
+        d.split_mode in (Deployment.SplitMode.LAYER, Deployment.SplitMode.TENSOR)
+        or d.replica_set.filter(state__in=Replica.LIVE, plan__kind=ShardPlan.Kind.SPLIT).exists()
+    ):
+        raise Conflict(f"{d.name} is split over several nodes and runs one copy")
     if d.state in (D.STOPPING, D.STOPPED):
         raise Conflict(f"{d.name} is {d.state}; redeploy it first")
     with transaction.atomic():
@@ -164,40 +180,6 @@ def do_delete(d: Deployment) -> None:
 # ---- reconciling -----------------------------------------------------------------------
 
 
-def place(d: Deployment, count: int) -> tuple[list[Node], str]:
-    """Pick nodes for `count` new replicas: spread first, then most free memory.
-
-    Returns the nodes found (maybe fewer than asked) and why the rest could not be placed.
-    """
-    need = estimate_memory_bytes(d.model, d.context_length, d.parallel)
-    nodes = list(
-        Node.objects.filter(state=Node.State.READY, draining=False).annotate(
-            mine=Count(
-                "replicas", filter=Q(replicas__deployment=d, replicas__state__in=Replica.LIVE)
-            ),
-            booked=Count("replicas", filter=Q(replicas__state__in=[S.PENDING, S.LOADING])),
-        )
-    )
-    if not nodes:
-        return [], "no node is ready and open (is an agent running and registered, not draining?)"
-    # Memory an agent has not reported as used yet: replicas still on their way.
-    free = {n.pk: n.memory_available_bytes - n.booked * need for n in nodes}
-    chosen: list[Node] = []
-    for _ in range(count):
-        fits = [n for n in nodes if free[n.pk] >= need]
-        if not fits:
-            best = max(nodes, key=lambda n: free[n.pk])
-            return chosen, (
-                f"needs {need / 2**30:.2f} GiB per replica; the node with the most free memory "
-                f"({best.name}) has {max(free[best.pk], 0) / 2**30:.2f} GiB"
-            )
-        node = min(fits, key=lambda n: (n.mine, -free[n.pk]))
-        node.mine += 1
-        free[node.pk] -= need
-        chosen.append(node)
-    return chosen, ""
-
-
 def reconcile(deployment_id: int) -> None:
     """Bring a deployment's replicas towards its desired state (safe to run any time)."""
     from apps.deployments.tasks import free_replica, load_replica
@@ -215,11 +197,17 @@ def reconcile(deployment_id: int) -> None:
         current = d.replica_set.filter(state__in=Replica.LIVE + (S.FAILED,))
         missing = d.replicas - current.count()
         if missing > 0:
-            nodes, why = place(d, missing)
-            for node in nodes:
-                r = Replica.objects.create(deployment=d, node=node)
-                record_event(d, f"replica placed on {node.name}", replica=r)
-                transaction.on_commit(lambda r=r: load_replica.delay(str(r.pk)))
+            plan = placement.plan_for(d, missing)
+            why = plan.error or "; ".join(w for w in plan.warnings if "fit now" in w)
+            if plan.kind != "refused":
+                stored = placement.save(d, plan)
+                heads = [s for s in stored.stages.select_related("node") if s.role != "stage"]
+                for st in heads:
+                    r = Replica.objects.create(deployment=d, node=st.node, plan=stored)
+                    record_event(d, _placed(stored, st), replica=r)
+                    for w in plan.warnings:
+                        record_event(d, f"plan: {w}", level="warning", replica=r)
+                    transaction.on_commit(lambda r=r: load_replica.delay(str(r.pk)))
             if why and why != d.error:
                 record_event(d, f"waiting for capacity: {why}", level="warning")
             Deployment.objects.filter(pk=d.pk).update(error=why and f"waiting for capacity: {why}")
@@ -234,6 +222,22 @@ def reconcile(deployment_id: int) -> None:
                 transaction.on_commit(lambda r=r: free_replica.delay(str(r.pk)))
         d.refresh_from_db()
         refresh_state(d)
+
+
+def _placed(plan: ShardPlan, head: PlanStage) -> str:
+    if plan.kind == ShardPlan.Kind.REPLICAS:
+        return f"replica placed on {head.node_name} ({head.total_bytes / 2**30:.2f} GiB)"
+    parts = [
+        f"{s.role} {s.node_name}"
+        + (
+            f" layers {s.layer_start}-{s.layer_end - 1}"
+            if s.layers and plan.split_mode == "layer"
+            else ""
+        )
+        + f" ({s.total_bytes / 2**30:.2f} GiB)"
+        for s in plan.stages.all()
+    ]
+    return f"{plan.split_mode} split planned: " + ", ".join(parts)
 
 
 def refresh_state(d: Deployment) -> str:
@@ -275,16 +279,26 @@ def fail_replica(replica: Replica, error: str, from_states=Replica.LIVE) -> bool
         state=S.FAILED, error=error, updated_at=timezone.now()
     )
     if changed:
+        from apps.deployments.tasks import stop_replica_stages
+
         d = Deployment.objects.get(pk=replica.deployment_id)
         record_event(
             d, f"replica on {replica.node.name} failed: {error}", level="error", replica=replica
         )
         refresh_state(d)
+        if replica.plan_id and replica.plan.kind == ShardPlan.Kind.SPLIT:
+            # The surviving stages hold memory for a head that is gone: free them.
+            transaction.on_commit(lambda: stop_replica_stages.delay(str(replica.pk)))
     return bool(changed)
 
 
+class StageError(Exception):
+    """A split could not come up; the message names the node and why."""
+
+
 def load(replica_id: str) -> None:
-    """Ask the replica's node to load it; record the outcome."""
+    """Ask the replica's node to load it (with its rpc stages first, for a split); record
+    the outcome. A split that fails anywhere is rolled back whole."""
     from llamafleet.agent.v1 import agent_pb2 as pb
 
     from apps.deployments.tasks import free_replica
@@ -292,8 +306,9 @@ def load(replica_id: str) -> None:
     claimed = Replica.objects.filter(pk=replica_id, state=S.PENDING).update(state=S.LOADING)
     if not claimed:
         return  # another worker got there first, or it was stopped meanwhile
-    r = Replica.objects.select_related("deployment__model", "node").get(pk=replica_id)
+    r = Replica.objects.select_related("deployment__model", "node", "plan").get(pk=replica_id)
     d, model, node = r.deployment, r.deployment.model, r.node
+    split = r.plan is not None and r.plan.kind == ShardPlan.Kind.SPLIT
     record_event(d, f"loading {model.name} on {node.name}", replica=r)
     refresh_state(d)
     request = pb.LoadModelRequest(
@@ -308,19 +323,38 @@ def load(replica_id: str) -> None:
         chat_template=model.chat_template,
         shared_kv=d.shared_kv,
     )
+    if split:
+        try:
+            endpoints = start_stages(r)
+        except StageError as exc:
+            stop_stages(r)
+            fail_replica(r, f"split not started, rolled back: {exc}")
+            return
+        request.rpc_servers.extend(endpoints)
+        request.n_gpu_layers = r.plan.n_gpu_layers
+        request.split_mode = 3 if r.plan.split_mode == "tensor" else 1
+        request.tensor_split.extend(r.plan.tensor_split)
     try:
         resp = agent_client.stub(node.address).LoadModel(
             request, metadata=agent_client.metadata(), timeout=LOAD_TIMEOUT_SECONDS
         )
+        error = (
+            ""
+            if resp.state == pb.REPLICA_STATE_READY
+            else (
+                f"loading on {node.name} failed: {resp.error or pb.ReplicaState.Name(resp.state)}"
+            )
+        )
     except grpc.RpcError as exc:
-        fail_replica(
-            r, f"node {node.name} ({node.address}) did not load it: {exc.details() or exc.code()}"
-        )
-        return
-    if resp.state != pb.REPLICA_STATE_READY:
-        fail_replica(
-            r, f"loading on {node.name} failed: {resp.error or pb.ReplicaState.Name(resp.state)}"
-        )
+        error = f"node {node.name} ({node.address}) did not load it: {exc.details() or exc.code()}"
+    if not error and split:
+        error = probe(r)
+    if error:
+        if split:
+            free_remote(node, str(r.pk))
+            stop_stages(r)
+            error = f"split rolled back: {error}" + diagnose_stages(r)
+        fail_replica(r, error)
         return
     became_ready = Replica.objects.filter(pk=r.pk, state=S.LOADING).update(
         state=S.READY,
@@ -333,24 +367,142 @@ def load(replica_id: str) -> None:
         # Undeployed or scaled down while loading: do not leave the memory held.
         free_replica.delay(str(r.pk))
         return
+    what = f"split over {1 + len(request.rpc_servers)} nodes, probed" if split else "replica"
     record_event(
         d,
-        f"replica on {node.name} ready in {resp.load_seconds:.1f} s "
+        f"{what} on {node.name} ready in {resp.load_seconds:.1f} s "
         f"({resp.memory_bytes / 2**20:.0f} MiB)",
         replica=r,
     )
     refresh_state(Deployment.objects.get(pk=d.pk))
 
 
+def start_stages(r: Replica) -> list[str]:
+    """Start the rpc server of every stage, then have the head check each one (reachable
+    from there, same protocol version, memory enough). Returns the endpoints in order."""
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    stages = list(r.plan.stages.filter(role=PlanStage.Role.STAGE).select_related("node"))
+    for st in stages:
+        node = st.node
+        if node is None or node.state != Node.State.READY:
+            raise StageError(f"stage node {st.node_name} is not ready")
+        try:
+            status = agent_client.stub(node.address).StartRpcServer(
+                pb.StartRpcServerRequest(port=st.rpc_port),
+                metadata=agent_client.metadata(),
+                timeout=60,
+            )
+        except grpc.RpcError as exc:
+            raise StageError(
+                f"stage node {node.name} could not start an rpc server on port {st.rpc_port}: "
+                f"{exc.details() or exc.code()}"
+            ) from exc
+        PlanStage.objects.filter(pk=st.pk).update(endpoint=status.endpoint)
+        st.endpoint = status.endpoint
+        record_event(r.deployment, f"rpc server up on {node.name} at {status.endpoint}", replica=r)
+    try:
+        checks = (
+            agent_client.stub(r.node.address)
+            .CheckRpcServers(
+                pb.CheckRpcServersRequest(endpoints=[st.endpoint for st in stages]),
+                metadata=agent_client.metadata(),
+                timeout=60,
+            )
+            .servers
+        )
+    except grpc.RpcError as exc:
+        raise StageError(f"head {r.node.name} did not check its stages: {exc.details()}") from exc
+    for st, check in zip(stages, checks, strict=True):
+        if not check.ok:
+            raise StageError(f"head {r.node.name} cannot use stage {st.node_name}: {check.error}")
+        need = st.total_bytes - st.overhead_bytes
+        if check.free_bytes and check.free_bytes < need:
+            raise StageError(
+                f"stage {st.node_name} has {check.free_bytes / 2**30:.2f} GiB free, its part "
+                f"needs {need / 2**30:.2f} GiB"
+            )
+    return [st.endpoint for st in stages]
+
+
+def stop_stages(r: Replica) -> list[str]:
+    """Stop the rpc servers of a split replica's stages; returns what could not be reached."""
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    if r.plan is None or r.plan.kind != ShardPlan.Kind.SPLIT:
+        return []
+    missed = []
+    for st in r.plan.stages.filter(role=PlanStage.Role.STAGE).select_related("node"):
+        if st.node is None or not st.rpc_port:
+            continue
+        try:
+            agent_client.stub(st.node.address).StopRpcServer(
+                pb.StopRpcServerRequest(port=st.rpc_port),
+                metadata=agent_client.metadata(),
+                timeout=30,
+            )
+        except grpc.RpcError as exc:
+            missed.append(f"{st.node_name}: {exc.details() or exc.code()}")
+    return missed
+
+
+def probe(r: Replica) -> str:
+    """One greedy token through the whole split: "" when it serves, else why not."""
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    request = pb.InferenceRequest(
+        replica_id=str(r.pk), prompt="Hello", max_tokens=1, sampling=pb.SamplingParams()
+    )
+    try:
+        got = list(
+            agent_client.stub(r.node.address).RunInference(
+                request, metadata=agent_client.metadata(), timeout=120
+            )
+        )
+    except grpc.RpcError as exc:
+        return f"the one-token probe on head {r.node.name} failed: {exc.details() or exc.code()}"
+    if not got or got[-1].usage.completion_tokens < 1:
+        return f"the one-token probe on head {r.node.name} produced no token"
+    return ""
+
+
+def diagnose_stages(r: Replica) -> str:
+    """When a split fails, say which stage does not answer (a TCP connect to each)."""
+    import socket
+
+    if r.plan is None or r.plan.kind != ShardPlan.Kind.SPLIT:
+        return ""
+    gone = []
+    for st in r.plan.stages.filter(role=PlanStage.Role.STAGE).exclude(endpoint=""):
+        host, _, port = st.endpoint.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                pass
+        except OSError as exc:
+            layers = (
+                f"layers {st.layer_start}-{st.layer_end - 1}, "
+                if r.plan.split_mode == "layer"
+                else ""
+            )
+            gone.append(
+                f"stage {st.node_name} ({layers}{st.endpoint}) does not answer: "
+                f"{exc.strerror or exc}"
+            )
+    return ("; " + "; ".join(gone)) if gone else ""
+
+
 def free(replica_id: str) -> None:
     """Ask the replica's node to free it, then mark it stopped."""
-    r = Replica.objects.select_related("node", "deployment").filter(pk=replica_id).first()
+    r = Replica.objects.select_related("node", "deployment", "plan").filter(pk=replica_id).first()
     if r is None or r.state == S.STOPPED:
         return
     Replica.objects.filter(pk=r.pk).update(state=S.STOPPING)
     error = free_remote(r.node, str(r.pk))
+    missed = stop_stages(r)
     Replica.objects.filter(pk=r.pk, state=S.STOPPING).update(state=S.STOPPED)
     msg = f"replica on {r.node.name} stopped" + (f" (agent not reached: {error})" if error else "")
+    if r.plan is not None and r.plan.kind == ShardPlan.Kind.SPLIT:
+        msg += ", rpc stages stopped" + (f" except {'; '.join(missed)}" if missed else "")
     record_event(r.deployment, msg, level="warning" if error else "info", replica=r)
     refresh_state(Deployment.objects.get(pk=r.deployment_id))
 
@@ -375,14 +527,16 @@ def apply_agent_report(node: Node, reported: list[dict]) -> None:
     from apps.deployments.tasks import free_on_node
 
     by_id = {r["replica_id"]: r for r in reported if _is_uuid(r["replica_id"])}
-    for r in Replica.objects.filter(node=node, state=S.READY).select_related("node"):
+    for r in Replica.objects.filter(node=node, state=S.READY).select_related("node", "plan"):
         seen = by_id.get(str(r.pk))
         if seen is None:
             fail_replica(
                 r, f"node {node.name} no longer holds this replica (agent restarted?)", (S.READY,)
             )
         elif seen["state"] == "failed":
-            fail_replica(r, f"{seen['error']} (on node {node.name})", (S.READY,))
+            # A split head aborts when a stage goes away: say which one.
+            why = f"{seen['error']} (on node {node.name})" + diagnose_stages(r)
+            fail_replica(r, why, (S.READY,))
         elif seen["memory_bytes"] and seen["memory_bytes"] != r.memory_bytes:
             Replica.objects.filter(pk=r.pk).update(memory_bytes=seen["memory_bytes"])
     # Engines the agent holds that should not run any more: free them.
@@ -395,6 +549,22 @@ def apply_agent_report(node: Node, reported: list[dict]) -> None:
     for replica_id, seen in by_id.items():
         if replica_id not in wanted and seen["state"] != "stopping":
             transaction.on_commit(lambda rid=replica_id: free_on_node.delay(node.pk, rid))
+    # rpc servers this node runs for split replicas: one that died fails its split.
+    dead = {s["endpoint"]: s["error"] for s in node.rpc_servers or () if not s["running"]}
+    for st in _live_stages_on(node).filter(endpoint__in=list(dead)):
+        for r in st.plan.replicas.filter(state=S.READY).select_related("node", "plan"):
+            fail_replica(
+                r,
+                f"the rpc server of stage {node.name} ({st.endpoint}) stopped: "
+                f"{dead[st.endpoint] or 'not running'}",
+                (S.READY,),
+            )
+
+
+def _live_stages_on(node: Node):
+    return PlanStage.objects.filter(
+        node=node, role=PlanStage.Role.STAGE, plan__replicas__state__in=Replica.LIVE
+    ).select_related("plan")
 
 
 def _is_uuid(value: str) -> bool:
@@ -406,8 +576,17 @@ def _is_uuid(value: str) -> bool:
 
 
 def node_lost(node: Node, since) -> None:
-    """A node went quiet: what it held cannot serve."""
-    for r in Replica.objects.filter(node=node, state__in=Replica.LIVE).select_related("node"):
+    """A node went quiet: what it held cannot serve, nor the splits it was a stage of."""
+    for r in Replica.objects.filter(node=node, state__in=Replica.LIVE).select_related(
+        "node", "plan"
+    ):
         fail_replica(
             r, f"node {node.name} stopped sending heartbeats (last at {since:%H:%M:%S} UTC)"
         )
+    for st in _live_stages_on(node):
+        for r in st.plan.replicas.filter(state__in=Replica.LIVE).select_related("node", "plan"):
+            fail_replica(
+                r,
+                f"stage node {node.name} (layers {st.layer_start}-{st.layer_end - 1}) stopped "
+                f"sending heartbeats (last at {since:%H:%M:%S} UTC)",
+            )

@@ -3,7 +3,7 @@
 from celery import shared_task
 
 from apps.deployments import services
-from apps.deployments.models import Deployment
+from apps.deployments.models import Deployment, Replica
 from apps.nodes.models import Node
 from controlplane.celery import every
 
@@ -27,6 +27,14 @@ def load_replica(replica_id: str) -> None:
 def free_replica(replica_id: str) -> None:
     """FreeMemory on the replica's node and mark it stopped."""
     services.free(replica_id)
+
+
+@shared_task(time_limit=120, soft_time_limit=100)
+def stop_replica_stages(replica_id: str) -> None:
+    """StopRpcServer on every stage of a failed split replica."""
+    r = Replica.objects.select_related("plan").filter(pk=replica_id).first()
+    if r is not None:
+        services.stop_stages(r)
 
 
 @shared_task(time_limit=90, soft_time_limit=60)

@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from apps.nodes.models import Node
+from apps.nodes.models import Node, NodeLink
 
 
 @admin.register(Node)
@@ -22,3 +22,9 @@ class NodeAdmin(admin.ModelAdmin):
     list_editable = ("price_per_hour",)
     search_fields = ("name", "address")
     readonly_fields = ("registered_at", "last_heartbeat_at", "reported_replicas")
+
+
+@admin.register(NodeLink)
+class NodeLinkAdmin(admin.ModelAdmin):
+    list_display = ("source", "target", "rtt_ms", "mbit_s", "error", "measured_at")
+    readonly_fields = [f.name for f in NodeLink._meta.fields]

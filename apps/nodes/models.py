@@ -30,6 +30,8 @@ class Node(models.Model):
     cpu_cores = models.PositiveIntegerField(default=0)
     accelerators = models.JSONField(default=list, blank=True)
     in_flight = models.PositiveIntegerField(default=0)
+    #: The rpc servers the agent runs for heads elsewhere (endpoint, running, pid, error).
+    rpc_servers = models.JSONField(default=list, blank=True)
     #: The replicas as the agent reported them last (replica_id, state, error, memory, pid).
     reported_replicas = models.JSONField(default=list, blank=True)
     registered_at = models.DateTimeField(auto_now_add=True)
@@ -40,3 +42,23 @@ class Node(models.Model):
 
     def __str__(self):
         return self.name
+
+
+class NodeLink(models.Model):
+    """A measured network path from one node's agent to another's (round trip, throughput)."""
+
+    source = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="links_out")
+    target = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="links_in")
+    rtt_ms = models.FloatField(null=True, blank=True)
+    mbit_s = models.FloatField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    measured_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["source__name", "target__name"]
+        constraints = [
+            models.UniqueConstraint(fields=["source", "target"], name="one_link_per_pair")
+        ]
+
+    def __str__(self):
+        return f"{self.source.name} -> {self.target.name}"

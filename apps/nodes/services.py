@@ -51,6 +51,15 @@ def record_heartbeat(payload: dict) -> Node:
         "cpu_cores": int(payload.get("cpu_cores") or 0),
         "load_average": float(payload.get("load_average") or 0),
         "accelerators": list(payload.get("accelerators") or []),
+        "rpc_servers": [
+            {
+                "endpoint": str(s.get("endpoint", "")),
+                "running": bool(s.get("running")),
+                "pid": int(s.get("pid") or 0),
+                "error": str(s.get("error", "")),
+            }
+            for s in payload.get("rpc_servers") or []
+        ],
         "in_flight": int(payload.get("in_flight") or 0),
         "reported_replicas": replicas,
         "last_heartbeat_at": timezone.now(),
@@ -107,3 +116,46 @@ def set_draining(node: Node, draining: bool) -> Node:
     node.draining = draining
     log.info("node %s %s", node.name, "draining" if draining else "open")
     return node
+
+
+#: Pairs measured per node when the fleet is too large for every pair.
+LINK_SAMPLE = 8
+
+
+def measure_links(node_names: list[str] | None = None) -> int:
+    """Ask each ready node's agent to measure its links to the others (every pair up to
+    LINK_SAMPLE + 1 nodes, else LINK_SAMPLE random peers each); store the results. The
+    planner reads them to choose heads and warn about slow links."""
+    import random
+
+    import grpc
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    from apps.nodes import agent_client
+    from apps.nodes.models import NodeLink
+
+    nodes = list(Node.objects.filter(state=Node.State.READY))
+    if node_names:
+        nodes = [n for n in nodes if n.name in set(node_names)]
+    count = 0
+    for src in nodes:
+        peers = [n for n in nodes if n.pk != src.pk]
+        if len(peers) > LINK_SAMPLE:
+            peers = random.sample(peers, LINK_SAMPLE)
+        for dst in peers:
+            try:
+                m = agent_client.stub(src.address).MeasureLink(
+                    pb.MeasureLinkRequest(target=dst.address),
+                    metadata=agent_client.metadata(),
+                    timeout=60,
+                )
+                values = {"rtt_ms": m.rtt_ms, "mbit_s": m.mbit_s, "error": m.error}
+                if m.error:
+                    values.update(rtt_ms=None, mbit_s=None)
+            except grpc.RpcError as exc:
+                values = {"rtt_ms": None, "mbit_s": None, "error": f"{src.name}: {exc.details()}"}
+            NodeLink.objects.update_or_create(
+                source=src, target=dst, defaults={**values, "measured_at": timezone.now()}
+            )
+            count += 1
+    return count

@@ -12,4 +12,10 @@ def sweep_stale_nodes() -> list[str]:
     return services.sweep_stale_nodes()
 
 
+@shared_task(time_limit=900, soft_time_limit=870)
+def measure_links(node_names: list[str] | None = None) -> int:
+    """Have agents measure round trip and throughput to each other (see services)."""
+    return services.measure_links(node_names)
+
+
 every(5.0, sweep_stale_nodes.name, "nodes: sweep stale nodes")

@@ -1,6 +1,6 @@
 from rest_framework import serializers
 
-from apps.deployments.models import Deployment, DeploymentEvent, Replica
+from apps.deployments.models import Deployment, DeploymentEvent, PlanStage, Replica, ShardPlan
 
 
 class ReplicaSerializer(serializers.ModelSerializer):
@@ -21,6 +21,61 @@ class ReplicaSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class PlanStageSerializer(serializers.ModelSerializer):
+    node = serializers.CharField(source="node_name", read_only=True)
+
+    class Meta:
+        model = PlanStage
+        fields = [
+            "node",
+            "role",
+            "layer_start",
+            "layer_end",
+            "weights_bytes",
+            "kv_bytes",
+            "compute_bytes",
+            "overhead_bytes",
+            "total_bytes",
+            "n_gpu_layers",
+            "endpoint",
+        ]
+        read_only_fields = fields
+
+
+class ShardPlanSerializer(serializers.ModelSerializer):
+    stages = PlanStageSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = ShardPlan
+        fields = [
+            "id",
+            "kind",
+            "split_mode",
+            "n_gpu_layers",
+            "tensor_split",
+            "needed_bytes",
+            "reasons",
+            "warnings",
+            "stages",
+            "created_at",
+        ]
+        read_only_fields = fields
+
+
+class PlanPreviewSerializer(serializers.Serializer):
+    """The planner's answer before anything is deployed (nothing is stored)."""
+
+    kind = serializers.ChoiceField(choices=["replicas", "split", "refused"])
+    split_mode = serializers.CharField()
+    n_gpu_layers = serializers.IntegerField()
+    tensor_split = serializers.ListField(child=serializers.FloatField())
+    needed_bytes = serializers.IntegerField()
+    reasons = serializers.ListField(child=serializers.CharField())
+    warnings = serializers.ListField(child=serializers.CharField())
+    error = serializers.CharField()
+    stages = serializers.ListField(child=serializers.DictField())
+
+
 class EventSerializer(serializers.ModelSerializer):
     class Meta:
         model = DeploymentEvent
@@ -31,6 +86,7 @@ class EventSerializer(serializers.ModelSerializer):
 class DeploymentSerializer(serializers.ModelSerializer):
     model = serializers.SlugRelatedField(slug_field="name", read_only=True)
     replica_set = ReplicaSerializer(many=True, read_only=True)
+    plan = serializers.SerializerMethodField()
     recent_events = serializers.SerializerMethodField()
 
     class Meta:
@@ -44,14 +100,26 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "parallel",
             "routing_policy",
             "shared_kv",
+            "split_mode",
+            "pin_nodes",
             "state",
             "error",
+            "plan",
             "replica_set",
             "recent_events",
             "created_at",
             "updated_at",
         ]
         read_only_fields = fields
+
+    def get_plan(self, d) -> dict | None:
+        """The plan the newest live replica came from (else the newest plan)."""
+        live = d.replica_set.filter(state__in=Replica.LIVE, plan__isnull=False).order_by(
+            "-created_at"
+        )
+        first = live.first()
+        plan = first.plan if first else d.plans.first()
+        return ShardPlanSerializer(plan).data if plan else None
 
     def get_recent_events(self, d) -> list[dict]:
         return EventSerializer(d.events.all()[:10], many=True).data
@@ -69,6 +137,23 @@ class CreateDeploymentSerializer(serializers.Serializer):
     shared_kv = serializers.BooleanField(
         default=False, help_text="Faster under load; greedy text may vary with load."
     )
+    split_mode = serializers.ChoiceField(
+        choices=Deployment.SplitMode.choices,
+        default=Deployment.SplitMode.AUTO,
+        help_text="auto: whole replicas when a node holds the model, else a layer split.",
+    )
+    pin_nodes = serializers.ListField(
+        child=serializers.CharField(max_length=100),
+        required=False,
+        default=list,
+        help_text="Only these nodes; the first is the head of a split.",
+    )
+
+
+class PlanRequestSerializer(CreateDeploymentSerializer):
+    name = None
+    routing_policy = None
+    shared_kv = None
 
 
 class ScaleSerializer(serializers.Serializer):

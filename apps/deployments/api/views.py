@@ -3,12 +3,15 @@ from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
-from apps.deployments import services
+from apps.deployments import placement, services
 from apps.deployments.api.serializers import (
     CreateDeploymentSerializer,
     DeploymentSerializer,
     EventSerializer,
+    PlanPreviewSerializer,
+    PlanRequestSerializer,
     ScaleSerializer,
+    ShardPlanSerializer,
 )
 from apps.deployments.models import Deployment
 
@@ -38,8 +41,34 @@ class DeploymentViewSet(
             v.get("parallel"),
             v["routing_policy"],
             v["shared_kv"],
+            v["split_mode"],
+            v["pin_nodes"],
         )
         return Response(DeploymentSerializer(d).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=PlanRequestSerializer, responses={200: PlanPreviewSerializer})
+    @action(detail=False, methods=["post"])
+    def plan(self, request):
+        """Preview where a deployment would run, with reasons (or why it cannot); nothing
+        is deployed or stored."""
+        data = PlanRequestSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        model, context_length, parallel = services.check_create(
+            "", v["model"], v["replicas"], v.get("context_length"), v.get("parallel"),
+            v["split_mode"], v["pin_nodes"],
+        )  # fmt: skip
+        plan = placement.preview(
+            model, context_length, parallel, v["replicas"], v["split_mode"], v["pin_nodes"]
+        )
+        return Response(plan.as_dict())
+
+    @extend_schema(responses=ShardPlanSerializer(many=True))
+    @action(detail=True, methods=["get"])
+    def plans(self, request, name=None):
+        """Every plan made for this deployment, newest first."""
+        page = self.paginate_queryset(self.get_object().plans.prefetch_related("stages"))
+        return self.get_paginated_response(ShardPlanSerializer(page, many=True).data)
 
     @extend_schema(request=ScaleSerializer, responses={202: DeploymentSerializer})
     @action(detail=True, methods=["post"])

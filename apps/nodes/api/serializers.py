@@ -1,6 +1,6 @@
 from rest_framework import serializers
 
-from apps.nodes.models import Node
+from apps.nodes.models import Node, NodeLink
 
 
 class NodeSerializer(serializers.ModelSerializer):
@@ -20,6 +20,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "cpu_cores",
             "load_average",
             "accelerators",
+            "rpc_servers",
             "memory_total_bytes",
             "memory_available_bytes",
             "memory_in_use_bytes",
@@ -42,3 +43,13 @@ class NodeSerializer(serializers.ModelSerializer):
 class NodePriceSerializer(serializers.Serializer):
     price_per_hour = serializers.DecimalField(max_digits=10, decimal_places=4, min_value=0)
     currency = serializers.RegexField(r"^[A-Z]{3}$", required=False)
+
+
+class NodeLinkSerializer(serializers.ModelSerializer):
+    source = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    target = serializers.SlugRelatedField(slug_field="name", read_only=True)
+
+    class Meta:
+        model = NodeLink
+        fields = ["source", "target", "rtt_ms", "mbit_s", "error", "measured_at"]
+        read_only_fields = fields

@@ -6,8 +6,8 @@ from rest_framework.views import APIView
 
 from apps.nodes import services
 from apps.nodes.api.permissions import HasNodeToken
-from apps.nodes.api.serializers import NodePriceSerializer, NodeSerializer
-from apps.nodes.models import Node
+from apps.nodes.api.serializers import NodeLinkSerializer, NodePriceSerializer, NodeSerializer
+from apps.nodes.models import Node, NodeLink
 
 
 class NodeViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
@@ -25,6 +25,22 @@ class NodeViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
 
     def perform_destroy(self, instance):
         services.remove_node(instance)
+
+    @extend_schema(responses=NodeLinkSerializer(many=True))
+    @action(detail=False, methods=["get"])
+    def links(self, request):
+        """Measured links between nodes (round trip, throughput), as the planner sees them."""
+        page = self.paginate_queryset(NodeLink.objects.select_related("source", "target"))
+        return self.get_paginated_response(NodeLinkSerializer(page, many=True).data)
+
+    @extend_schema(request=None, responses={202: None})
+    @action(detail=False, methods=["post"], url_path="measure-links")
+    def measure_links(self, request):
+        """Start measuring links between ready nodes (a background job); GET links after."""
+        from apps.nodes.tasks import measure_links
+
+        job = measure_links.delay()
+        return Response({"task_id": job.id}, status=202)
 
     @extend_schema(request=None, responses={200: NodeSerializer})
     @action(detail=True, methods=["post"])

@@ -1,0 +1,157 @@
+"""Between the database and the pure planner: cluster state in, stored plans out."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from django.db import transaction
+from django.db.models import Count, Q
+
+from apps.catalog.models import CatalogModel
+from apps.deployments import planner as P
+from apps.deployments.models import Deployment, PlanStage, Replica, ShardPlan
+from apps.nodes.models import Node, NodeLink
+
+#: rpc servers of split deployments listen from this port up, one port per stage on a node.
+RPC_PORT_BASE = 50052
+
+_MIB = re.compile(r"(\d+)\s*MiB", re.I)
+
+
+def model_facts(model: CatalogModel) -> P.ModelFacts:
+    fields = {
+        f: getattr(model, f)
+        for f in P.ModelFacts.__dataclass_fields__
+        if f not in ("name", "file_bytes")
+    }
+    fields["bytes_per_layer"] = tuple(model.bytes_per_layer or ())
+    if not fields["bytes_embeddings"]:  # pulled before these facts were read: approximate
+        fields["bytes_embeddings"] = fields["bytes_output"] = model.bytes_outside_layers
+    return P.ModelFacts(name=model.name, file_bytes=model.size_bytes, **fields)
+
+
+def accelerator_bytes(node: Node) -> tuple[int, ...]:
+    """Memory of each accelerator an agent reported ("name, 24576 MiB")."""
+    found = (_MIB.search(str(a)) for a in node.accelerators or ())
+    return tuple(int(m.group(1)) * 2**20 for m in found if m)
+
+
+def cluster(deployment: Deployment | None = None) -> tuple[list[P.NodeState], dict]:
+    """Every node with the memory it has free for new work, and the measured links.
+
+    Free = what the agent reported available, less what is booked but not loaded yet
+    (replicas pending or loading, and the rpc stages of split replicas not yet ready).
+    """
+    nodes = Node.objects.annotate(
+        holds=Count(
+            "replicas",
+            filter=Q(replicas__deployment=deployment, replicas__state__in=Replica.LIVE),
+        )
+        if deployment
+        else Count("pk", filter=Q(pk=None)),
+    )
+    booked: dict[int, int] = defaultdict(int)
+    pending = Replica.objects.filter(
+        state__in=[Replica.State.PENDING, Replica.State.LOADING], plan__isnull=False
+    ).prefetch_related("plan__stages")
+    for r in pending:
+        stages = list(r.plan.stages.all())
+        if r.plan.kind == ShardPlan.Kind.REPLICAS:
+            booked[r.node_id] += stages[0].total_bytes if stages else 0
+        else:
+            for st in stages:
+                booked[st.node_id] += st.total_bytes
+    states = [
+        P.NodeState(
+            name=n.name,
+            free_bytes=n.memory_available_bytes - (booked.get(n.pk) or 0),
+            ready=n.state == Node.State.READY,
+            draining=n.draining,
+            accelerator_bytes=accelerator_bytes(n),
+            holds=n.holds,
+        )
+        for n in nodes
+    ]
+    links = {
+        (src, dst): P.Link(rtt, mbit)
+        for src, dst, rtt, mbit in NodeLink.objects.filter(rtt_ms__isnull=False).values_list(
+            "source__name", "target__name", "rtt_ms", "mbit_s"
+        )
+    }
+    return states, links
+
+
+def preview(
+    model: CatalogModel,
+    context_length: int,
+    parallel: int,
+    replicas: int = 1,
+    split_mode: str = "auto",
+    pin_nodes: list[str] | tuple[str, ...] = (),
+    deployment: Deployment | None = None,
+) -> P.Plan:
+    """What the planner would do now; nothing is stored."""
+    nodes, links = cluster(deployment)
+    request = P.Request(
+        context_length=context_length,
+        parallel=parallel,
+        replicas=replicas,
+        split_mode=split_mode,
+        pin_nodes=tuple(pin_nodes or ()),
+    )
+    return P.plan(model_facts(model), request, nodes, links)
+
+
+def plan_for(d: Deployment, count: int) -> P.Plan:
+    return preview(
+        d.model, d.context_length, d.parallel, count, d.split_mode, d.pin_nodes, deployment=d
+    )
+
+
+@transaction.atomic
+def save(d: Deployment, plan: P.Plan) -> ShardPlan:
+    """Store a plan with its stages; stages of a split get their rpc ports here."""
+    nodes = {n.name: n for n in Node.objects.filter(name__in=[s.node for s in plan.stages])}
+    sp = ShardPlan.objects.create(
+        deployment=d,
+        kind=plan.kind,
+        split_mode=plan.split_mode,
+        n_gpu_layers=plan.n_gpu_layers,
+        tensor_split=plan.tensor_split,
+        needed_bytes=plan.needed_bytes,
+        reasons=plan.reasons,
+        warnings=plan.warnings,
+    )
+    for i, s in enumerate(plan.stages):
+        node = nodes[s.node]
+        PlanStage.objects.create(
+            plan=sp,
+            position=i,
+            node=node,
+            node_name=node.name,
+            role=s.role,
+            layer_start=s.layer_start,
+            layer_end=s.layer_end,
+            weights_bytes=s.weights_bytes,
+            kv_bytes=s.kv_bytes,
+            compute_bytes=s.compute_bytes,
+            overhead_bytes=s.overhead_bytes,
+            total_bytes=s.total_bytes,
+            n_gpu_layers=s.n_gpu_layers,
+            rpc_port=free_rpc_port(node) if s.role == PlanStage.Role.STAGE else None,
+        )
+    return sp
+
+
+def free_rpc_port(node: Node) -> int:
+    """The lowest rpc port no live split replica uses on this node."""
+    used = set(
+        PlanStage.objects.filter(
+            node=node, rpc_port__isnull=False, plan__replicas__state__in=Replica.LIVE
+        ).values_list("rpc_port", flat=True)
+    )
+    port = RPC_PORT_BASE
+    while port in used:
+        port += 1
+    return port
