@@ -173,6 +173,8 @@ HEARTBEAT_TIMEOUT_SECONDS = env.int("LLAMAFLEET_HEARTBEAT_TIMEOUT", default=20)
 PUBLIC_URL = env.str("LLAMAFLEET_PUBLIC_URL", default="http://127.0.0.1:8000")
 DEFAULT_CONTEXT_LENGTH = env.int("LLAMAFLEET_DEFAULT_CONTEXT", default=2048)
 DEFAULT_PARALLEL = env.int("LLAMAFLEET_DEFAULT_PARALLEL", default=4)
+#: rpc servers of split deployments listen from this port up on their stage nodes.
+RPC_PORT_BASE = env.int("LLAMAFLEET_RPC_PORT_BASE", default=50052)
 
 # Serving.
 #: Generations one control-plane process streams at once; beyond it requests get a fast 429.

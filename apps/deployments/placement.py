@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, Q
 
@@ -12,9 +13,6 @@ from apps.catalog.models import CatalogModel
 from apps.deployments import planner as P
 from apps.deployments.models import Deployment, PlanStage, Replica, ShardPlan
 from apps.nodes.models import Node, NodeLink
-
-#: rpc servers of split deployments listen from this port up, one port per stage on a node.
-RPC_PORT_BASE = 50052
 
 _MIB = re.compile(r"(\d+)\s*MiB", re.I)
 
@@ -151,7 +149,7 @@ def free_rpc_port(node: Node) -> int:
             node=node, rpc_port__isnull=False, plan__replicas__state__in=Replica.LIVE
         ).values_list("rpc_port", flat=True)
     )
-    port = RPC_PORT_BASE
+    port = settings.RPC_PORT_BASE
     while port in used:
         port += 1
     return port

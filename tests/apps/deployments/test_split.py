@@ -1,0 +1,129 @@
+"""A deployment split over two agents (loopback), driven by the control plane end to end:
+planned, rpc stage started, checked by the head, probed, serving the single-node text;
+undeployed with every stage freed; rolled back whole when a stage cannot start; failed
+with the stage named when the stage dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+import grpc
+import pytest
+from llamafleet.agent.v1 import agent_pb2 as pb
+
+from tests.conftest import CHAT, SMOLLM2, RunningAgent, wait_for
+from tests.workers.test_rpc_split import AUTH, free_port
+
+
+@pytest.fixture
+def head_and_stage(transactional_db, smollm2_model, model_store, settings):
+    from apps.nodes.services import record_heartbeat
+
+    settings.RPC_PORT_BASE = free_port()
+    agents = [RunningAgent(model_store, "head"), RunningAgent(model_store, "stage")]
+    for a in agents:
+        a.heartbeat = lambda a=a: record_heartbeat(a.status_payload())
+        a.node = a.heartbeat()
+        a.channel = grpc.insecure_channel(a.address)
+        from llamafleet.agent.v1 import agent_pb2_grpc
+
+        a.stub = agent_pb2_grpc.NodeAgentStub(a.channel)
+    yield agents
+    for a in agents:
+        a.channel.close()
+        a.close()
+
+
+def deploy(**kw):
+    from apps.deployments import services
+
+    return services.do_create(
+        SMOLLM2, SMOLLM2, 1, 512, 2, split_mode="layer", pin_nodes=["head", "stage"], **kw
+    )
+
+
+def settled(d):
+    from apps.deployments.models import Deployment
+
+    d.refresh_from_db()
+    return d.state in (Deployment.State.READY, Deployment.State.FAILED) and d
+
+
+def test_split_deployment_serves_stops_and_frees_every_stage(
+    head_and_stage, celery_worker_thread, reference_text
+):
+    from apps.deployments import services
+    from apps.deployments.models import Deployment, Replica
+
+    head, stage = head_and_stage
+    d = deploy()
+    d = wait_for(lambda: settled(d), 180)
+    assert d.state == Deployment.State.READY, d.error
+    [r] = d.replica_set.all()
+    plan = r.plan
+    assert plan.kind == "split" and plan.split_mode == "layer" and r.node.name == "head"
+    stages = list(plan.stages.all())
+    assert [s.role for s in stages] == ["head", "stage"]
+    assert stages[0].layer_start == 0 and stages[1].layer_end == 30
+    assert stages[0].layer_end == stages[1].layer_start
+    assert plan.n_gpu_layers == 31 - stages[0].layers and plan.reasons
+    # The stage's rpc server runs and is reported; the head serves the single-node text.
+    [rpc] = stage.stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).rpc_servers
+    assert rpc.running and rpc.endpoint == stages[1].endpoint
+    request = pb.InferenceRequest(
+        replica_id=str(r.pk),
+        max_tokens=48,
+        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in CHAT],
+        sampling=pb.SamplingParams(temperature=0),
+    )
+    text = "".join(m.text for m in head.stub.RunInference(request, metadata=AUTH))
+    assert text == reference_text(CHAT, 48)
+    assert "probed" in " ".join(e.message for e in d.events.all())
+
+    services.do_undeploy(d)
+    wait_for(lambda: Replica.objects.get(pk=r.pk).state == Replica.State.STOPPED, 60)
+    assert not stage.stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).rpc_servers
+    assert not head.stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).replicas
+
+
+def test_a_stage_that_cannot_start_rolls_the_split_back(
+    head_and_stage, celery_worker_thread, settings
+):
+    from apps.deployments.models import Deployment
+
+    head, stage = head_and_stage
+    with socket.socket() as squatter:  # the stage's rpc port is taken
+        squatter.bind(("127.0.0.1", settings.RPC_PORT_BASE))
+        squatter.listen()
+        d = deploy()
+        d = wait_for(lambda: settled(d), 120)
+    assert d.state == Deployment.State.FAILED
+    assert "stage node stage could not start an rpc server" in d.error
+    assert "already in use" in d.error and "rolled back" in d.error
+    assert not head.stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).replicas
+
+
+def test_a_dead_stage_fails_the_split_naming_it_and_the_head_survives(
+    head_and_stage, celery_worker_thread
+):
+    from apps.deployments.models import Deployment
+
+    head, stage = head_and_stage
+    d = deploy()
+    d = wait_for(lambda: settled(d), 180)
+    assert d.state == Deployment.State.READY, d.error
+    [rpc] = stage.stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).rpc_servers
+    os.kill(rpc.pid, signal.SIGKILL)
+    [r] = d.replica_set.all()
+    request = pb.InferenceRequest(replica_id=str(r.pk), prompt="Hi", max_tokens=4)
+    with pytest.raises(grpc.RpcError):
+        list(head.stub.RunInference(request, metadata=AUTH))
+    head.heartbeat()
+    d.refresh_from_db()
+    assert d.state == Deployment.State.FAILED
+    assert "SIGABRT" in d.error and "stage stage (layers " in d.error
+    assert "does not answer" in d.error, d.error
+    # The head agent lives on.
+    assert head.stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).node_name == "head"
