@@ -520,6 +520,11 @@ def _split_plan(m, r, stages: list[Stage], links, mode: str, whole: int) -> Plan
         p.reasons.append(f"stage {s.node} serves {what} over RPC ({gib(s.total_bytes)})")
     if mode == "tensor":
         p.reasons.append("tensor parallel: flash attention is on (llama.cpp needs it)")
+        p.warnings.append(
+            "tensor parallel over RPC synchronises every layer through the head: measured "
+            "here at 0.08x of one node's tokens/s on a plain link and 0.01x with 1 ms more "
+            "round trip (bench/split.py); a layer split keeps 0.6-0.8x"
+        )
     for s in rest:
         lk = _link(links, head.node, s.node)
         if lk is None:

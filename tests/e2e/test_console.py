@@ -87,13 +87,19 @@ def test_an_operator_runs_the_fleet_from_the_browser(
     expect(model_row).to_contain_text("llama")  # GGUF facts: the architecture
     shot(page, "2-pulled")
 
-    # Deploy it with 2 slots of 512 tokens; the table follows it to ready.
+    # Preview the plan, then deploy it with 2 slots of 512 tokens; the table follows it to
+    # ready and draws where it runs.
     page.select_option("#deploy-model", "smollm2-copy")
     page.fill("#deploy-form input[name=context_length]", "512")
     page.fill("#deploy-form input[name=parallel]", "2")
-    page.click("#deploy-form button")
+    page.click("#preview-plan")
+    preview = page.locator("#plan-preview .plan[data-plan-kind=replicas]")
+    expect(preview).to_contain_text("replicas on")
+    expect(page.locator("#plan-preview .reasons")).to_contain_text("no split")
+    page.click("#deploy-form button[type=submit]")
     dep_row = page.locator("#deployments tbody tr[data-deployment=smollm2-copy]")
     expect(dep_row.locator("td.state")).to_have_text("ready", timeout=120_000)
+    expect(dep_row.locator(".plan[data-plan-kind=replicas]")).to_contain_text("replicas on")
     shot(page, "3-deployed")
 
     # Chat in the playground: streamed text, the same as llama-cpp-python's, and its figures.

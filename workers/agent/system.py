@@ -26,7 +26,15 @@ def load_average() -> float:
 
 
 def accelerators() -> list[str]:
-    """GPUs visible through nvidia-smi; empty on CPU-only machines."""
+    """GPUs visible through nvidia-smi ("name, 24576 MiB"); empty on CPU-only machines.
+
+    LLAMAFLEET_FAKE_ACCELERATOR_MIB reports a pretend one, so that the planner's partial
+    offload (n_gpu_layers per node) can be exercised where there is no GPU; it says so in
+    its name, and llama.cpp keeps every layer on the CPU regardless.
+    """
+    fake = os.environ.get("LLAMAFLEET_FAKE_ACCELERATOR_MIB", "")
+    if fake.isdigit():
+        return [f"fake accelerator (planning only, no device), {int(fake)} MiB"]
     if not shutil.which("nvidia-smi"):
         return []
     import subprocess

@@ -21,6 +21,30 @@
     return seconds < 60 ? `${Math.round(seconds)} s ago` : `${Math.round(seconds / 60)} min ago`;
   }
 
+  // A plan as the planner stored it: which node holds which layers, and why.
+  function planView(plan, withReasons = false) {
+    if (!plan) return "";
+    const box = el("div", { class: "plan", "data-plan-kind": plan.kind });
+    if (plan.kind === "split") {
+      const tensor = plan.split_mode === "tensor";
+      box.append(el("div", { class: "hint" }, `${plan.split_mode} split over ${plan.stages.length} nodes, ${bytes(plan.needed_bytes)} in all`));
+      box.append(el("div", { class: "strip" }, plan.stages.map((s, i) => {
+        const layers = s.layer_end - s.layer_start;
+        const what = tensor ? (s.role === "head" ? "embeddings" : "slice of every layer") : layers ? `layers ${s.layer_start}–${s.layer_end - 1}` : "embeddings";
+        return el("span", { class: `seg seg${i % 6}`, style: `flex:${tensor ? 1 : Math.max(layers, 1)}`,
+          title: `${s.role} ${s.node}: ${what}; weights ${bytes(s.weights_bytes)}, KV ${bytes(s.kv_bytes)}, compute ${bytes(s.compute_bytes)}, total ${bytes(s.total_bytes)}${s.endpoint ? ", rpc " + s.endpoint : ""}` },
+          `${s.role} ${s.node}`, el("small", {}, `${what} · ${bytes(s.total_bytes)}`));
+      })));
+    } else if (plan.kind === "replicas") {
+      box.append(el("div", { class: "hint" }, `replicas on ${plan.stages.map((s) => s.node).join(", ")}, ${bytes(plan.needed_bytes)} each`));
+    } else {
+      box.append(el("div", { class: "hint error" }, `refused: ${plan.error}`));
+    }
+    for (const w of plan.warnings || []) box.append(el("div", { class: "hint warning" }, w));
+    if (withReasons) box.append(el("ul", { class: "reasons" }, (plan.reasons || []).map((r) => el("li", {}, r))));
+    return box;
+  }
+
   function render(snap) {
     fill("nodes", snap.nodes.map((n) => el("tr", { "data-node": n.name },
       el("td", {}, n.name, el("div", { class: "hint" }, n.address)),
@@ -66,7 +90,7 @@
       const figures = f ? `${f.requests} req, ${f.tokens_per_s ? f.tokens_per_s.toFixed(1) : "–"} tok/s, first token ${f.ttft_ms ? Math.round(f.ttft_ms) : "–"} ms` : "no traffic";
       const scale = el("input", { type: "number", min: "1", max: "64", value: String(d.replicas), class: "tiny", "aria-label": `replicas of ${d.name}` });
       return el("tr", { "data-deployment": d.name },
-        el("td", {}, d.name, d.error ? el("div", { class: "hint error" }, d.error) : ""),
+        el("td", {}, d.name, d.error ? el("div", { class: "hint error" }, d.error) : "", planView(d.plan)),
         el("td", {}, d.model),
         el("td", { class: "state " + d.state }, d.state),
         el("td", {}, d.replica_set.map((r) => el("div", {}, `${r.node || "?"}: ${r.state}`)), scale,
@@ -105,9 +129,20 @@
   }
 
   form("pull-form", (v) => api("POST", "/api/v1/models/pull/", v).then((job) => `Pulling ${job.model} (job ${job.id}); progress shows in the table`));
-  form("deploy-form", (v) => {
+  function deployValues(v) {
     for (const k of ["replicas", "context_length", "parallel"]) if (v[k]) v[k] = Number(v[k]);
-    return api("POST", "/api/v1/deployments/", v).then((d) => `Deploying ${d.name}; its replicas show in the table`);
+    if (v.pin_nodes) v.pin_nodes = v.pin_nodes.split(",").map((x) => x.trim()).filter(Boolean);
+    return v;
+  }
+  form("deploy-form", (v) => api("POST", "/api/v1/deployments/", deployValues(v)).then((d) => `Deploying ${d.name}; its replicas show in the table`));
+  document.getElementById("preview-plan").addEventListener("click", async () => {
+    const f = document.getElementById("deploy-form");
+    const v = deployValues(Object.fromEntries([...new FormData(f).entries()].filter(([, x]) => x !== "")));
+    const out = document.getElementById("plan-preview");
+    try {
+      out.replaceChildren(el("h3", {}, "Plan preview (nothing deployed)"), planView(await api("POST", "/api/v1/deployments/plan/", v), true));
+      out.hidden = false;
+    } catch (err) { say(err.message, false); }
   });
   form("key-form", (v) => api("POST", "/api/v1/api-keys/", v).then((k) => {
     const box = document.getElementById("new-key");
