@@ -173,55 +173,53 @@ def wait_agent(address: str, token: str, timeout: float = 60) -> None:
 
 def relay(listen: str, target: str, delay_ms: float) -> None:
     """Forward TCP connections from listen to target, holding each chunk delay_ms in each
-    direction (order kept). Runs until killed."""
-    import asyncio
+    direction (order kept). Threads and time.sleep, not an event loop: epoll's timeouts are
+    whole milliseconds, which would turn 0.5 ms into 1. Runs until killed."""
+    import queue
+    import socket
+    import threading
 
     delay = delay_ms / 1000
 
-    async def pump(reader, writer):
-        queue: asyncio.Queue = asyncio.Queue()
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        chunks: queue.Queue = queue.Queue()
 
-        async def read():
-            while data := await reader.read(1 << 16):
-                queue.put_nowait((time.monotonic() + delay, data))
-            queue.put_nowait((0, b""))
+        def read():
+            while data := src.recv(1 << 16):
+                chunks.put((time.monotonic() + delay, data))
+            chunks.put((0.0, b""))
 
-        async def write():
-            while True:
-                due, data = await queue.get()
-                if not data:
-                    break
-                wait = due - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                writer.write(data)
-                await writer.drain()
-            writer.close()
+        threading.Thread(target=read, daemon=True).start()
+        while True:
+            due, data = chunks.get()
+            if not data:
+                break
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            dst.sendall(data)
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
 
-        await asyncio.gather(read(), write(), return_exceptions=True)
-
-    async def handle(client_r, client_w):
+    def serve(client: socket.socket) -> None:
         host, _, port = target.rpartition(":")
         try:
-            server_r, server_w = await asyncio.open_connection(host, int(port))
+            upstream = socket.create_connection((host, int(port)))
         except OSError:
-            client_w.close()
+            client.close()
             return
-        for w in (client_w, server_w):
-            sock = w.get_extra_info("socket")
-            if sock is not None:
-                import socket
+        for sock in (client, upstream):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=pipe, args=(client, upstream), daemon=True).start()
+        pipe(upstream, client)
 
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await asyncio.gather(pump(client_r, server_w), pump(server_r, client_w))
-
-    async def main():
-        host, _, port = listen.rpartition(":")
-        server = await asyncio.start_server(handle, host, int(port))
-        async with server:
-            await server.serve_forever()
-
-    asyncio.run(main())
+    host, _, port = listen.rpartition(":")
+    server = socket.create_server((host, int(port)))
+    while True:
+        client, _ = server.accept()
+        threading.Thread(target=serve, args=(client,), daemon=True).start()
 
 
 if __name__ == "__main__":
