@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO := proto/llamafleet/agent/v1/agent.proto
 
-.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench
+.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-split bench-planner
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,13 @@ check-proto: setup
 
 bench: setup
 	$(PY) bench/serving.py
+
+# Needs root (network namespaces) and the test model cache (run `make test` once).
+bench-split: setup
+	$(PY) bench/split.py
+
+bench-planner: setup
+	$(PY) bench/planner.py
 
 superuser: setup
 	$(PY) manage.py createsuperuser
