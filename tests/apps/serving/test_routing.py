@@ -275,9 +275,9 @@ async def test_a_generation_past_the_request_timeout_ends_with_a_timeout_error(
     two_replicas, alice_key, settings
 ):
     settings.REQUEST_TIMEOUT_SECONDS = 0.6
-    resp = await post(
-        alice_key, {"model": SMOLLM2, "messages": STORY, "max_tokens": 400, "stream": True}
-    )
+    # Greedy: this story runs all 400 tokens (well past 0.6 s); a sampled one could end early.
+    body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 400, "temperature": 0}
+    resp = await post(alice_key, {**body, "stream": True})
     chunks = [chunk async for chunk in resp.streaming_content]
     last = json.loads(sse_payloads(chunks)[-1])
     assert last["error"]["code"] == "timeout"
