@@ -200,13 +200,20 @@ def replica_stage(m: ModelFacts, r: Request) -> Stage:
 
 
 def split_stage(
-    m: ModelFacts, r: Request, role: str, start: int, end: int, *, output: bool, share: float = 0
+    m: ModelFacts,
+    r: Request,
+    role: str,
+    start: int,
+    end: int,
+    *,
+    output: bool,
+    share: float | None = None,
 ) -> Stage:
     """A head or stage of a split. Layer mode: layers [start, end); the last stage also
-    holds the output. Tensor mode (share > 0): that share of every layer plus a copy of
+    holds the output. Tensor mode (share given): that share of every layer plus a copy of
     the output, on each stage; the head then holds the embeddings only."""
     head = role == "head"
-    if share:
+    if share is not None:
         weights, kv, layers = (
             int(m.layer_bytes * share) + m.bytes_output,
             kv_bytes(m, r, m.n_layers * share),
@@ -311,7 +318,11 @@ def _replicas(m: ModelFacts, r: Request, fits: list[NodeState], whole: int) -> P
         f"(a split buys capacity, not speed)"
     )
     if len(stages) < r.replicas:
-        p.warnings.append(f"only {len(stages)} of {r.replicas} replica(s) fit now")
+        best = max(fits, key=lambda n: free[n.name])
+        p.warnings.append(
+            f"only {len(stages)} of {r.replicas} replica(s) fit now: each needs {gib(whole)}, "
+            f"the node with the most room left ({best.name}) has {gib(max(free[best.name], 0))}"
+        )
     _note_accelerators(p)
     return p
 
@@ -416,7 +427,7 @@ def _fixed(m: ModelFacts, r: Request, k: int, mode: str) -> list[int]:
             s = (
                 split_stage(m, r, role, 0, 0, output=False)
                 if i == 0
-                else split_stage(m, r, role, 0, 0, output=True, share=1e-9)
+                else split_stage(m, r, role, 0, 0, output=True, share=0.0)
             )
         else:
             s = split_stage(m, r, role, 0, 1, output=last and i > 0)
