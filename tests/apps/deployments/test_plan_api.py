@@ -122,3 +122,20 @@ def test_reported_accelerator_memory_takes_layers(api, smollm2_model, db, monkey
     [stage] = plan["stages"]
     assert 0 < stage["n_gpu_layers"] < 30
     assert any("n_gpu_layers" in r for r in plan["reasons"])
+
+
+def test_the_deploy_command_prints_a_plan_and_deploys_nothing(smollm2_model, small_nodes):
+    from io import StringIO
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    from apps.deployments.models import Deployment
+
+    out = StringIO()
+    call_command("deploy", smollm2_model.name, "--plan", "--pin", "n1", "n0", stdout=out)
+    text = out.getvalue()
+    assert text.startswith("split (layer)") and "head    n1" in text and "because " in text
+    assert not Deployment.objects.exists()
+    with pytest.raises(CommandError, match="needs .* on one node"):
+        call_command("deploy", smollm2_model.name, "--plan", "--split-mode", "none", stdout=out)
