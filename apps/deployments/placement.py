@@ -18,6 +18,7 @@ _MIB = re.compile(r"(\d+)\s*MiB", re.I)
 
 
 def model_facts(model: CatalogModel) -> P.ModelFacts:
+    """The planner's view of a catalog model."""
     fields = {
         f: getattr(model, f)
         for f in P.ModelFacts.__dataclass_fields__
@@ -102,6 +103,7 @@ def preview(
 
 
 def plan_for(d: Deployment, count: int) -> P.Plan:
+    """Where `count` more replicas of a deployment would go now."""
     return preview(
         d.model, d.context_length, d.parallel, count, d.split_mode, d.pin_nodes, deployment=d
     )
