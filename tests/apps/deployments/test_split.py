@@ -5,6 +5,8 @@ with the stage named when the stage dies."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import socket
@@ -13,6 +15,7 @@ import grpc
 import pytest
 from llamafleet.agent.v1 import agent_pb2 as pb
 
+from tests.apps.serving_client import post
 from tests.conftest import CHAT, SMOLLM2, RunningAgent, wait_for
 from tests.workers.test_rpc_split import AUTH, free_port
 
@@ -52,7 +55,7 @@ def settled(d):
 
 
 def test_split_deployment_serves_stops_and_frees_every_stage(
-    head_and_stage, celery_worker_thread, reference_text
+    head_and_stage, celery_worker_thread, reference_text, alice_key
 ):
     from apps.deployments import services
     from apps.deployments.models import Deployment, Replica
@@ -81,6 +84,11 @@ def test_split_deployment_serves_stops_and_frees_every_stage(
     text = "".join(m.text for m in head.stub.RunInference(request, metadata=AUTH))
     assert text == reference_text(CHAT, 48)
     assert "probed" in " ".join(e.message for e in d.events.all())
+    # And through the OpenAI-compatible API, routed to the head like any replica.
+    body = {"model": SMOLLM2, "messages": CHAT, "max_tokens": 48, "temperature": 0}
+    resp = asyncio.run(post(alice_key, body))
+    assert resp.status_code == 200, resp.content
+    assert json.loads(resp.content)["choices"][0]["message"]["content"] == reference_text(CHAT, 48)
 
     services.do_undeploy(d)
     wait_for(lambda: Replica.objects.get(pk=r.pk).state == Replica.State.STOPPED, 60)
