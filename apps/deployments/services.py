@@ -323,6 +323,10 @@ def load(replica_id: str) -> None:
         chat_template=model.chat_template,
         shared_kv=d.shared_kv,
     )
+    if r.plan is not None and not split:
+        # Layers the planner put on this node's accelerators (0: none reported).
+        mine = r.plan.stages.filter(node=node).first()
+        request.n_gpu_layers = mine.n_gpu_layers if mine else 0
     if split:
         try:
             endpoints = start_stages(r)

@@ -136,7 +136,9 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             chat_template=request.chat_template,
             stream_interval=self.stream_interval,
             rpc_servers=list(request.rpc_servers),
-            n_gpu_layers=request.n_gpu_layers if request.rpc_servers else 0,
+            n_gpu_layers=request.n_gpu_layers
+            if request.rpc_servers or request.n_gpu_layers
+            else -1,
             split_mode=request.split_mode or 1,
             tensor_split=list(request.tensor_split),
             shared_kv=request.shared_kv,

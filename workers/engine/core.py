@@ -99,7 +99,8 @@ class BatchEngine:
         shared_kv: bool = False,
     ):
         """rpc_servers split the model: the last n_gpu_layers layers (-1: all) go to those
-        servers, in proportion to tensor_split; the rest stay here."""
+        servers, in proportion to tensor_split; the rest stay here. Without rpc_servers,
+        n_gpu_layers >= 0 bounds what goes to local accelerators (none on a CPU build)."""
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
         if rpc_servers:
@@ -117,6 +118,8 @@ class BatchEngine:
                 mparams.tensor_split = self._split
             # Tensor parallel over RPC needs flash attention (llama.cpp refuses it otherwise).
             flash_attn = flash_attn or split_mode == L.LLAMA_SPLIT_MODE_TENSOR
+        elif n_gpu_layers >= 0:
+            mparams.n_gpu_layers = n_gpu_layers
         self.model = L.llama_model_load_from_file(model_path.encode(), mparams)
         if not self.model:
             raise EngineError(
