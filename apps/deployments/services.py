@@ -391,18 +391,8 @@ def start_stages(r: Replica) -> list[str]:
         node = st.node
         if node is None or node.state != Node.State.READY:
             raise StageError(f"stage node {st.node_name} is not ready")
-        try:
-            status = agent_client.stub(node.address).StartRpcServer(
-                pb.StartRpcServerRequest(port=st.rpc_port),
-                metadata=agent_client.metadata(),
-                timeout=60,
-            )
-        except grpc.RpcError as exc:
-            raise StageError(
-                f"stage node {node.name} could not start an rpc server on port {st.rpc_port}: "
-                f"{exc.details() or exc.code()}"
-            ) from exc
-        PlanStage.objects.filter(pk=st.pk).update(endpoint=status.endpoint)
+        status = _start_rpc_server(st)
+        PlanStage.objects.filter(pk=st.pk).update(endpoint=status.endpoint, rpc_port=st.rpc_port)
         st.endpoint = status.endpoint
         record_event(r.deployment, f"rpc server up on {node.name} at {status.endpoint}", replica=r)
     try:
@@ -427,6 +417,32 @@ def start_stages(r: Replica) -> list[str]:
                 f"needs {need / 2**30:.2f} GiB"
             )
     return [st.endpoint for st in stages]
+
+
+#: Ports tried, from the planned one up, when something else holds a stage's rpc port.
+RPC_PORT_TRIES = 5
+
+
+def _start_rpc_server(st: PlanStage):
+    """StartRpcServer on a stage's node, moving up past ports something else holds."""
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    for attempt in range(RPC_PORT_TRIES):
+        try:
+            return agent_client.stub(st.node.address).StartRpcServer(
+                pb.StartRpcServerRequest(port=st.rpc_port),
+                metadata=agent_client.metadata(),
+                timeout=60,
+            )
+        except grpc.RpcError as exc:
+            why = exc.details() or str(exc.code())
+            if "already in use" in why and attempt < RPC_PORT_TRIES - 1:
+                st.rpc_port += 1
+                continue
+            raise StageError(
+                f"stage node {st.node_name} could not start an rpc server on port "
+                f"{st.rpc_port}: {why}"
+            ) from exc
 
 
 def stop_stages(r: Replica) -> list[str]:

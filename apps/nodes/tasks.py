@@ -19,3 +19,4 @@ def measure_links(node_names: list[str] | None = None) -> int:
 
 
 every(5.0, sweep_stale_nodes.name, "nodes: sweep stale nodes")
+every(3600.0, measure_links.name, "nodes: measure links")

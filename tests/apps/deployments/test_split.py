@@ -100,17 +100,39 @@ def test_a_stage_that_cannot_start_rolls_the_split_back(
     head_and_stage, celery_worker_thread, settings
 ):
     from apps.deployments.models import Deployment
+    from apps.deployments.services import RPC_PORT_TRIES
 
     head, stage = head_and_stage
-    with socket.socket() as squatter:  # the stage's rpc port is taken
-        squatter.bind(("127.0.0.1", settings.RPC_PORT_BASE))
-        squatter.listen()
+    squatters = []  # something else holds every port the stage may try
+    for port in range(settings.RPC_PORT_BASE, settings.RPC_PORT_BASE + RPC_PORT_TRIES):
+        s = socket.socket()
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        squatters.append(s)
+    try:
         d = deploy()
         d = wait_for(lambda: settled(d), 120)
+    finally:
+        for s in squatters:
+            s.close()
     assert d.state == Deployment.State.FAILED
     assert "stage node stage could not start an rpc server" in d.error
     assert "already in use" in d.error and "rolled back" in d.error
     assert not head.stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).replicas
+
+
+def test_a_taken_rpc_port_is_skipped(head_and_stage, celery_worker_thread, settings):
+    from apps.deployments.models import Deployment
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", settings.RPC_PORT_BASE))
+        squatter.listen()
+        d = deploy()
+        d = wait_for(lambda: settled(d), 120)
+    assert d.state == Deployment.State.READY, d.error
+    stage = d.replica_set.get().plan.stages.get(role="stage")
+    assert stage.rpc_port == settings.RPC_PORT_BASE + 1
+    assert stage.endpoint.endswith(f":{settings.RPC_PORT_BASE + 1}")
 
 
 def test_a_dead_stage_fails_the_split_naming_it_and_the_head_survives(
