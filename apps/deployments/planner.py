@@ -357,11 +357,21 @@ def _split(m, r, usable, links, mode, whole) -> Plan:
             needed_bytes=whole,
             error="a split deployment runs one copy: ask for 1 replica",
         )
+    # Tensor parallel slices layers over the stages: it takes two of them besides the head.
+    least = 3 if mode == "tensor" else 2
+    if len(usable) < least:
+        return Plan(
+            "refused",
+            split_mode=mode,
+            needed_bytes=whole,
+            error=f"a {mode} split needs at least {least} ready nodes (a head and "
+            f"{least - 1} stage{'s' if least > 2 else ''}); {len(usable)} available",
+        )
     if r.pin_nodes:
         sizes, candidates = [len(usable)], usable
     else:
-        candidates = sorted(usable, key=lambda n: -_room(n))[: max(r.max_nodes, 2)]
-        sizes = range(2, len(candidates) + 1)
+        candidates = sorted(usable, key=lambda n: -_room(n))[: max(r.max_nodes, least)]
+        sizes = range(least, len(candidates) + 1)
     for k in sizes:
         for chosen in [candidates] if r.pin_nodes else _sets(candidates, k, links):
             head, rest = chosen[0], chosen[1:]
@@ -513,10 +523,18 @@ def _split_plan(m, r, stages: list[Stage], links, mode: str, whole: int) -> Plan
         p.n_gpu_layers = -1
         total = sum(s.kv_bytes for s in rest) or 1
         p.tensor_split = [round(s.kv_bytes / total, 4) for s in rest]
-    p.reasons.append(
-        f"{m.name} needs {gib(whole)} on one node and no ready node has that much free: "
-        f"split over {len(stages)} nodes, the fewest that hold it ({gib(p.needed_bytes)} in all)"
-    )
+    if r.split_mode in ("layer", "tensor") or r.pin_nodes:
+        asked = f"split_mode {r.split_mode}" if r.split_mode != "auto" else "pinned nodes"
+        p.reasons.append(
+            f"a split over {len(stages)} nodes, as asked ({asked}); {m.name} needs "
+            f"{gib(whole)} on one node, {gib(p.needed_bytes)} split"
+        )
+    else:
+        p.reasons.append(
+            f"{m.name} needs {gib(whole)} on one node and no ready node has that much free: "
+            f"split over {len(stages)} nodes, the fewest that hold it ({gib(p.needed_bytes)} "
+            f"in all)"
+        )
     held = f" and layers {head.layer_start}-{head.layer_end - 1}" if head.layers else ""
     p.reasons.append(
         f"head {head.node} runs the engine and holds the token embeddings{held} "

@@ -99,6 +99,8 @@ def test_pinned_nodes_and_a_forced_split_mode():
     assert [s.role for s in p.stages] == ["head", "stage", "stage"]
     assert sum(p.tensor_split) == pytest.approx(1, abs=1e-3)
     assert any("flash attention" in r for r in p.reasons)
+    p = P.plan(BIG, P.Request(4096, 2, split_mode="tensor", pin_nodes=("n1", "n2")), cluster)
+    assert p.kind == "refused" and "at least 3 ready nodes" in p.error
     p = P.plan(BIG, P.Request(4096, 2, pin_nodes=("n1",)), cluster)
     assert p.kind == "replicas" and [s.node for s in p.stages] == ["n1"]
     assert (
