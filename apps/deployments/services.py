@@ -355,9 +355,10 @@ def load(replica_id: str) -> None:
         error = probe(r)
     if error:
         if split:
+            # Diagnose first: once stopped, every stage would look dead.
+            error = f"split rolled back: {error}" + diagnose_stages(r)
             free_remote(node, str(r.pk))
             stop_stages(r)
-            error = f"split rolled back: {error}" + diagnose_stages(r)
         fail_replica(r, error)
         return
     became_ready = Replica.objects.filter(pk=r.pk, state=S.LOADING).update(
