@@ -375,8 +375,11 @@ def _split(m, r, usable, links, mode, whole) -> Plan:
     for k in sizes:
         for chosen in [candidates] if r.pin_nodes else _sets(candidates, k, links):
             head, rest = chosen[0], chosen[1:]
-            # The last stage computes the logits and holds the output: the most room.
-            stages = _assign(m, r, [head, *sorted(rest, key=_room)], mode)
+            # The last stage computes the logits and holds the output: the most room (pinned
+            # nodes keep the order they were given).
+            stages = _assign(
+                m, r, [head, *(rest if r.pin_nodes else sorted(rest, key=_room))], mode
+            )
             if stages is not None:
                 return _split_plan(m, r, stages, links, mode, whole)
     chosen = candidates

@@ -94,6 +94,10 @@ def test_pinned_nodes_and_a_forced_split_mode():
     cluster = nodes(40, 40, 40)
     p = P.plan(BIG, P.Request(4096, 2, split_mode="layer", pin_nodes=("n2", "n0")), cluster)
     assert p.kind == "split" and [s.node for s in p.stages] == ["n2", "n0"]
+    # Stages keep the pinned order even when another order would give the last more room.
+    uneven = [P.NodeState("a", 40 * GiB), P.NodeState("b", 30 * GiB), P.NodeState("c", 20 * GiB)]
+    p = P.plan(BIG, P.Request(4096, 2, split_mode="layer", pin_nodes=("a", "b", "c")), uneven)
+    assert [s.node for s in p.stages] == ["a", "b", "c"]
     p = P.plan(BIG, P.Request(4096, 2, split_mode="tensor", pin_nodes=("n1", "n2", "n0")), cluster)
     assert p.split_mode == "tensor" and p.n_gpu_layers == -1
     assert [s.role for s in p.stages] == ["head", "stage", "stage"]
