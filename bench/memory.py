@@ -21,8 +21,7 @@ os.environ.setdefault("LLAMAFLEET_NODE_TOKEN", "bench")
 
 from apps.deployments import planner as P  # noqa: E402
 from tests.apps.deployments.test_memory import estimated, facts, measured, reported  # noqa: E402
-from tests.conftest import cached_model  # noqa: E402
-from tests.workers.test_rpc_split import free_port  # noqa: E402
+from tests.conftest import cached_model, free_port  # noqa: E402
 from workers.agent.rpc_servers import RpcServer  # noqa: E402
 
 

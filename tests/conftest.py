@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,13 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "var" / "test-cache"
 SMOLLM2 = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (on 127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cached_model(name: str) -> Path:

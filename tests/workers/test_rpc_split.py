@@ -16,16 +16,10 @@ import pytest
 from llamafleet.agent.v1 import agent_pb2 as pb
 from llamafleet.agent.v1 import agent_pb2_grpc
 
-from tests.conftest import CHAT, RunningAgent
+from tests.conftest import CHAT, RunningAgent, free_port
 
 SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 AUTH = (("authorization", f"Bearer {os.environ['LLAMAFLEET_NODE_TOKEN']}"),)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -18,8 +18,7 @@ import pytest
 
 from apps.catalog.gguf_meta import read_metadata
 from apps.deployments import planner as P
-from tests.conftest import ROOT
-from tests.workers.test_rpc_split import free_port
+from tests.conftest import ROOT, free_port
 from workers.agent.rpc_servers import RpcServer
 
 

@@ -16,8 +16,8 @@ import pytest
 from llamafleet.agent.v1 import agent_pb2 as pb
 
 from tests.apps.serving_client import post
-from tests.conftest import CHAT, SMOLLM2, RunningAgent, wait_for
-from tests.workers.test_rpc_split import AUTH, free_port
+from tests.conftest import CHAT, SMOLLM2, RunningAgent, free_port, wait_for
+from tests.workers.test_rpc_split import AUTH
 
 
 @pytest.fixture
