@@ -173,3 +173,50 @@ def test_link_measurement_job_stores_what_agents_measure(head_and_stage, api, sm
 
     plan = placement.preview(smollm2_model, 512, 2, split_mode="layer", pin_nodes=["head", "stage"])
     assert plan.kind == "split" and not any("not measured" in w for w in plan.warnings)
+
+
+@pytest.fixture
+def split_and_whole(head_and_stage, celery_worker_thread):
+    """The split (head + stage) and, on the stage node, a whole replica of the same model."""
+    from apps.deployments import services
+    from apps.deployments.models import Deployment
+
+    split = deploy()
+    whole = services.do_create(
+        "smollm2-whole", SMOLLM2, 1, 512, 2, split_mode="none", pin_nodes=["stage"]
+    )
+    for d in (split, whole):
+        wait_for(lambda d=d: settled(d), 180)
+        assert d.state == Deployment.State.READY, d.error
+    return head_and_stage, split.replica_set.get()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_stream_on_a_split_moves_on_when_its_stage_dies(
+    split_and_whole, alice_key, reference_text
+):
+    """The stage's rpc server is killed mid-stream: the head aborts, and the stream goes on
+    on the whole replica with nothing lost or repeated (greedy: the solo text)."""
+    from tests.apps.serving.test_routing import STORY, metric, text_of
+    from tests.apps.serving_client import sse_payloads
+
+    (head, stage), split_replica = split_and_whole
+    migrated_before = metric("llamafleet_migrations_total", model=SMOLLM2)
+    body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 120, "temperature": 0}
+    for _ in range(8):  # until the router picks the split (it spreads between the two)
+        resp = await post(alice_key, {**body, "stream": True})
+        if resp["X-LlamaFleet-Replica"] == str(split_replica.pk):
+            break
+        [c async for c in resp.streaming_content]
+    else:
+        pytest.fail("the router never picked the split")
+    [rpc] = stage.stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).rpc_servers
+    chunks = []
+    async for chunk in resp.streaming_content:
+        chunks.append(chunk)
+        if len(chunks) == 12:
+            os.kill(rpc.pid, signal.SIGKILL)
+    payloads = sse_payloads(chunks)
+    assert payloads[-1] == "[DONE]", payloads[-3:]
+    assert text_of(payloads) == reference_text(STORY, 120)
+    assert metric("llamafleet_migrations_total", model=SMOLLM2) == migrated_before + 1
