@@ -424,7 +424,11 @@ def _slowness(links, a: NodeState, b: NodeState) -> int:
     lk = _link(links, a.name, b.name)
     if lk is None:
         return 1
-    return 2 if lk.rtt_ms > SLOW_RTT_MS or lk.mbit_s < THIN_MBIT else 0
+    return 2 if _slow(lk) else 0
+
+
+def _slow(lk: Link) -> bool:
+    return lk.rtt_ms > SLOW_RTT_MS or lk.mbit_s < THIN_MBIT
 
 
 def _link(links, a: str, b: str) -> Link | None:
@@ -561,7 +565,7 @@ def _split_plan(m, r, stages: list[Stage], links, mode: str, whole: int) -> Plan
         lk = _link(links, head.node, s.node)
         if lk is None:
             p.warnings.append(f"link {head.node} <-> {s.node} not measured yet")
-        elif lk.rtt_ms > SLOW_RTT_MS or lk.mbit_s < THIN_MBIT:
+        elif _slow(lk):
             p.warnings.append(
                 f"slow link {head.node} <-> {s.node}: {lk.rtt_ms:.2f} ms round trip, "
                 f"{lk.mbit_s:.0f} Mbit/s, and every token crosses it"
