@@ -42,14 +42,14 @@ def cluster(deployment: Deployment | None = None) -> tuple[list[P.NodeState], di
     Free = what the agent reported available, less what is booked but not loaded yet
     (replicas pending or loading, and the rpc stages of split replicas not yet ready).
     """
-    nodes = Node.objects.annotate(
-        holds=Count(
-            "replicas",
-            filter=Q(replicas__deployment=deployment, replicas__state__in=Replica.LIVE),
+    nodes = Node.objects.all()
+    if deployment is not None:  # new replicas spread away from the ones it has
+        nodes = nodes.annotate(
+            holds=Count(
+                "replicas",
+                filter=Q(replicas__deployment=deployment, replicas__state__in=Replica.LIVE),
+            )
         )
-        if deployment
-        else Count("pk", filter=Q(pk=None)),
-    )
     booked: dict[int, int] = defaultdict(int)
     pending = Replica.objects.filter(
         state__in=[Replica.State.PENDING, Replica.State.LOADING], plan__isnull=False
@@ -68,7 +68,7 @@ def cluster(deployment: Deployment | None = None) -> tuple[list[P.NodeState], di
             ready=n.state == Node.State.READY,
             draining=n.draining,
             accelerator_bytes=accelerator_bytes(n),
-            holds=n.holds,
+            holds=getattr(n, "holds", 0),
         )
         for n in nodes
     ]
