@@ -64,7 +64,7 @@ def cluster(deployment: Deployment | None = None) -> tuple[list[P.NodeState], di
     states = [
         P.NodeState(
             name=n.name,
-            free_bytes=n.memory_available_bytes - (booked.get(n.pk) or 0),
+            free_bytes=n.memory_available_bytes - booked[n.pk],
             ready=n.state == Node.State.READY,
             draining=n.draining,
             accelerator_bytes=accelerator_bytes(n),
@@ -113,33 +113,20 @@ def plan_for(d: Deployment, count: int) -> P.Plan:
 def save(d: Deployment, plan: P.Plan) -> ShardPlan:
     """Store a plan with its stages; stages of a split get their rpc ports here."""
     nodes = {n.name: n for n in Node.objects.filter(name__in=[s.node for s in plan.stages])}
-    sp = ShardPlan.objects.create(
-        deployment=d,
-        kind=plan.kind,
-        split_mode=plan.split_mode,
-        n_gpu_layers=plan.n_gpu_layers,
-        tensor_split=plan.tensor_split,
-        needed_bytes=plan.needed_bytes,
-        reasons=plan.reasons,
-        warnings=plan.warnings,
-    )
-    for i, s in enumerate(plan.stages):
-        node = nodes[s.node]
+    plan_fields = plan.as_dict()
+    stages = plan_fields.pop("stages")
+    plan_fields.pop("error")  # a stored plan is never a refusal
+    sp = ShardPlan.objects.create(deployment=d, **plan_fields)
+    for i, fields in enumerate(stages):
+        node = nodes[fields.pop("node")]
+        stage = fields["role"] == PlanStage.Role.STAGE
         PlanStage.objects.create(
             plan=sp,
             position=i,
             node=node,
             node_name=node.name,
-            role=s.role,
-            layer_start=s.layer_start,
-            layer_end=s.layer_end,
-            weights_bytes=s.weights_bytes,
-            kv_bytes=s.kv_bytes,
-            compute_bytes=s.compute_bytes,
-            overhead_bytes=s.overhead_bytes,
-            total_bytes=s.total_bytes,
-            n_gpu_layers=s.n_gpu_layers,
-            rpc_port=free_rpc_port(node) if s.role == PlanStage.Role.STAGE else None,
+            rpc_port=free_rpc_port(node) if stage else None,
+            **fields,
         )
     return sp
 

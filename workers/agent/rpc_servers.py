@@ -29,12 +29,18 @@ def _child(endpoint: str, threads: int, cache_dir: str) -> None:
     rpc.serve(endpoint, threads, cache_dir)
 
 
+def _connect(host: str, port: int, timeout: float = 3.0) -> None:
+    """Open and close a TCP connection; raises OSError when nothing answers."""
+    with socket.create_connection((host, port), timeout=timeout):
+        pass
+
+
 def _answers(host: str, port: int) -> bool:
     try:
-        with socket.create_connection((host, port), timeout=0.2):
-            return True
+        _connect(host, port, timeout=0.2)
     except OSError:
         return False
+    return True
 
 
 class RpcServer:
@@ -119,11 +125,6 @@ async def check(endpoint: str, timeout: float = 10.0) -> pb.RpcServerCheck:
     facts = json.loads(stdout.decode().strip().splitlines()[-1])
     out.ok, out.free_bytes, out.total_bytes = True, facts["free_bytes"], facts["total_bytes"]
     return out
-
-
-def _connect(host: str, port: int) -> None:
-    with socket.create_connection((host, port), timeout=3):
-        pass
 
 
 async def measure_link(target: str, metadata, total_bytes: int) -> pb.LinkMeasurement:

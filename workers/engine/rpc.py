@@ -31,6 +31,12 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL]:
         ctypes.c_size_t,  # number of devices
         ctypes.c_void_p,  # ggml_backend_dev_t devices[]
     ]
+    rpc.ggml_backend_rpc_get_device_memory.argtypes = [
+        ctypes.c_char_p,  # endpoint
+        ctypes.c_uint32,  # device index
+        ctypes.POINTER(ctypes.c_size_t),  # free (out)
+        ctypes.POINTER(ctypes.c_size_t),  # total (out)
+    ]
     rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
     rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
     base.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
@@ -75,12 +81,6 @@ def device_memory(endpoint: str) -> tuple[int, int]:
     handshake, which checks the protocol version; a failure may abort the process, so
     call this in a child (python -m workers.engine.rpc check ENDPOINT...)."""
     _, _, rpc = _libs()
-    rpc.ggml_backend_rpc_get_device_memory.argtypes = [
-        ctypes.c_char_p,
-        ctypes.c_uint32,
-        ctypes.POINTER(ctypes.c_size_t),
-        ctypes.POINTER(ctypes.c_size_t),
-    ]
     free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
     rpc.ggml_backend_rpc_get_device_memory(endpoint.encode(), 0, free, total)
     return free.value, total.value
