@@ -48,6 +48,16 @@ def deploy(**kw):
     )
 
 
+def deploy_ready():
+    """deploy(), then wait until it is ready (failing with its error otherwise)."""
+    from apps.deployments.models import Deployment
+
+    d = deploy()
+    wait_for(lambda: settled(d), 180)
+    assert d.state == Deployment.State.READY, d.error
+    return d
+
+
 def settled(d):
     from apps.deployments.models import Deployment
 
@@ -59,12 +69,10 @@ def test_split_deployment_serves_stops_and_frees_every_stage(
     head_and_stage, celery_worker_thread, reference_text, alice_key
 ):
     from apps.deployments import services
-    from apps.deployments.models import Deployment, Replica
+    from apps.deployments.models import Replica
 
     head, stage = head_and_stage
-    d = deploy()
-    d = wait_for(lambda: settled(d), 180)
-    assert d.state == Deployment.State.READY, d.error
+    d = deploy_ready()
     [r] = d.replica_set.all()
     plan = r.plan
     assert plan.kind == "split" and plan.split_mode == "layer" and r.node.name == "head"
@@ -142,9 +150,7 @@ def test_a_dead_stage_fails_the_split_naming_it_and_the_head_survives(
     from apps.deployments.models import Deployment
 
     head, stage = head_and_stage
-    d = deploy()
-    d = wait_for(lambda: settled(d), 180)
-    assert d.state == Deployment.State.READY, d.error
+    d = deploy_ready()
     [rpc] = stage.stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).rpc_servers
     os.kill(rpc.pid, signal.SIGKILL)
     [r] = d.replica_set.all()
@@ -230,9 +236,7 @@ def test_a_stage_whose_agent_no_longer_runs_its_rpc_server_fails_the_split(
     from apps.deployments.models import Deployment
 
     head, stage = head_and_stage
-    d = deploy()
-    d = wait_for(lambda: settled(d), 180)
-    assert d.state == Deployment.State.READY, d.error
+    d = deploy_ready()
     stage.heartbeat()  # running as planned: nothing changes
     d.refresh_from_db()
     assert d.state == Deployment.State.READY
