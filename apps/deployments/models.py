@@ -4,6 +4,7 @@ from django.db import models
 
 from apps.catalog.models import CatalogModel
 from apps.nodes.models import Node
+from controlplane.querysets import SignallingQuerySet
 
 
 class Deployment(models.Model):
@@ -21,6 +22,11 @@ class Deployment(models.Model):
     class Routing(models.TextChoices):
         ROUND_ROBIN = "round_robin"
         LEAST_CONNECTIONS = "least_connections"
+        PREFIX = "prefix", "prefix: to the replica holding the prompt's prefix, load bounded"
+
+    class Batching(models.TextChoices):
+        THROUGHPUT = "throughput", "throughput: one KV cache, mixed batches, prompt cache"
+        INVARIANT = "invariant", "invariant: greedy text independent of load, no prompt cache"
 
     name = models.SlugField(max_length=100, unique=True)
     model = models.ForeignKey(CatalogModel, on_delete=models.PROTECT, related_name="deployments")
@@ -29,15 +35,17 @@ class Deployment(models.Model):
         help_text="Context window of one sequence, in tokens."
     )
     parallel = models.PositiveIntegerField(help_text="Sequences decoded together per replica.")
-    shared_kv = models.BooleanField(
-        default=False,
-        help_text="One KV cache for all slots: more tokens/s under load, but greedy text may "
-        "then vary with what runs beside it (and a migrated stream may not continue exactly).",
+    batching = models.CharField(
+        max_length=20,
+        choices=Batching.choices,
+        default=Batching.THROUGHPUT,
+        help_text="throughput: batches like llama-server and reuses cached prompts; invariant: "
+        "greedy text equals a solo run whatever else runs, at a cost in tokens/s.",
     )
     routing_policy = models.CharField(
         max_length=20,
         choices=Routing.choices,
-        default=Routing.LEAST_CONNECTIONS,
+        default=Routing.PREFIX,
         help_text="How requests pick among ready replicas; counts are shared through Redis.",
     )
 
@@ -57,6 +65,8 @@ class Deployment(models.Model):
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+
+    objects = SignallingQuerySet.as_manager()
 
     class Meta:
         ordering = ["name"]
@@ -153,6 +163,8 @@ class Replica(models.Model):
     load_seconds = models.FloatField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+
+    objects = SignallingQuerySet.as_manager()
 
     class Meta:
         ordering = ["created_at"]

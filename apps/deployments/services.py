@@ -87,8 +87,8 @@ def do_create(
     replicas: int = 1,
     context_length: int | None = None,
     parallel: int | None = None,
-    routing_policy: str = Deployment.Routing.LEAST_CONNECTIONS,
-    shared_kv: bool = False,
+    routing_policy: str | None = None,
+    batching: str = Deployment.Batching.THROUGHPUT,
     split_mode: str = Deployment.SplitMode.AUTO,
     pin_nodes: list[str] | None = None,
 ) -> Deployment:
@@ -99,6 +99,12 @@ def do_create(
         model, context_length, parallel = check_create(
             name, model_name, replicas, context_length, parallel, split_mode, pin_nodes
         )
+        if not routing_policy:
+            # Chat clients resend their history: send them where it is cached.
+            chat = model.has_chat_template or bool(model.chat_template)
+            routing_policy = (
+                Deployment.Routing.PREFIX if chat else Deployment.Routing.LEAST_CONNECTIONS
+            )
         d = Deployment.objects.create(
             name=name,
             model=model,
@@ -106,7 +112,7 @@ def do_create(
             context_length=context_length,
             parallel=parallel,
             routing_policy=routing_policy,
-            shared_kv=shared_kv,
+            batching=batching,
             split_mode=split_mode,
             pin_nodes=list(pin_nodes or []),
         )
@@ -321,7 +327,7 @@ def load(replica_id: str) -> None:
         context_length=d.context_length,
         parallel=d.parallel,
         chat_template=model.chat_template,
-        shared_kv=d.shared_kv,
+        batch_invariant=d.batching == Deployment.Batching.INVARIANT,
     )
     if r.plan is not None and not split:
         # Layers the planner put on this node's accelerators (0: none reported).

@@ -1,5 +1,7 @@
 from django.db import models
 
+from controlplane.querysets import SignallingQuerySet
+
 
 class Node(models.Model):
     """A machine running a node agent, as its heartbeats describe it."""
@@ -36,6 +38,8 @@ class Node(models.Model):
     reported_replicas = models.JSONField(default=list, blank=True)
     registered_at = models.DateTimeField(auto_now_add=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+
+    objects = SignallingQuerySet.as_manager()
 
     class Meta:
         ordering = ["name"]

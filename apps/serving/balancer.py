@@ -2,16 +2,28 @@
 
 In-flight generations of a replica are a sorted set of request ids scored by start time, so a
 process that dies mid-request does not inflate a count for ever: entries older than the
-request timeout no longer count. Round-robin is one shared counter per model. Both cost one
-round trip each on the hot path. When Redis is unreachable, routing falls back to this
-process's own counter rather than refusing to serve.
+request timeout no longer count. Round-robin is one shared counter per model.
+
+The prefix policy sends a request where its prompt's KV cache already is. A prompt is a
+chain of blocks (each chat message, or 256-character pieces of a raw prompt) and each block
+prefix has a hash; Redis remembers which replica last served each prefix hash. The replica
+holding the longest known prefix wins; a prompt nobody has seen goes by rendezvous hashing
+of its first block, so one system prompt keeps to one replica. Load is bounded: a replica
+with more than LOAD_FACTOR times the mean in-flight count (plus one) is passed over for the
+least loaded one.
+
+Each policy costs one Redis round trip before the first token; nothing on the token path
+waits for Redis. When Redis is unreachable, routing falls back to this process's own
+counter rather than refusing to serve.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
+import math
 import time
 
 from django.conf import settings
@@ -24,6 +36,16 @@ log = logging.getLogger(__name__)
 
 ROUND_ROBIN = "round_robin"
 LEAST_CONNECTIONS = "least_connections"
+PREFIX = "prefix"
+
+#: A replica above this multiple of the mean load (plus one) loses its prefix preference.
+LOAD_FACTOR = 1.25
+#: Characters per block of a raw prompt.
+PROMPT_BLOCK = 256
+#: How long a replica is remembered as holding a prefix (its slots' caches turn over).
+PREFIX_TTL = 3600
+#: Longest chain of blocks looked up (a longer conversation matches on its first ones).
+MAX_BLOCKS = 64
 
 _local_counter = itertools.count()
 _background: set[asyncio.Task] = set()
@@ -33,28 +55,100 @@ def _key(replica_id: str) -> str:
     return f"llamafleet:inflight:{replica_id}"
 
 
-async def order(targets: list, policy: str, model: str) -> list:
+def prefix_hashes(messages: list[dict], prompt: str) -> list[str]:
+    """Hashes of the prompt's block prefixes, shortest first (a chain: each covers all before).
+
+    Chat messages are blocks of their own, so a conversation that resends its history
+    shares every earlier hash; a raw prompt is cut into PROMPT_BLOCK-character blocks.
+    """
+    if messages:
+        blocks = [f"{m.get('role', '')}\x00{m.get('content', '')}" for m in messages]
+    else:
+        blocks = [prompt[i : i + PROMPT_BLOCK] for i in range(0, len(prompt), PROMPT_BLOCK)]
+    out, h = [], hashlib.blake2b(digest_size=12)
+    for block in blocks[:MAX_BLOCKS]:
+        h.update(block.encode("utf-8", "surrogatepass"))
+        h.update(b"\x1e")
+        out.append(h.hexdigest())
+    return out
+
+
+def _prefix_key(deployment: str, digest: str) -> str:
+    return f"llamafleet:prefix:{deployment}:{digest}"
+
+
+def _rendezvous(targets: list, digest: str):
+    """The target that a hash picks, stable as replicas come and go (highest random weight)."""
+    return max(targets, key=lambda t: hashlib.blake2b(f"{digest}:{t.replica_id}".encode()).digest())
+
+
+async def order(targets: list, policy: str, model: str, hashes: list[str] = ()) -> list:
     """Targets in the order to try them under the policy."""
     if len(targets) < 2:
         return list(targets)
+    deployment = targets[0].deployment
     try:
         pipe = _redis().pipeline(transaction=False)
         pipe.incr(f"llamafleet:rr:{model}")
-        if policy == LEAST_CONNECTIONS:
+        if policy in (LEAST_CONNECTIONS, PREFIX):
             floor = time.time() - settings.REQUEST_TIMEOUT_SECONDS
             for t in targets:
                 pipe.zcount(_key(t.replica_id), floor, "+inf")
-        turn, *counts = await pipe.execute()
+        if policy == PREFIX and hashes:
+            pipe.mget([_prefix_key(deployment, h) for h in hashes])
+        turn, *rest = await pipe.execute()
     except (RedisError, OSError) as exc:
         log.warning("routing without Redis (%s): round-robin in this process only", exc)
         metrics.ROUTING_FALLBACKS.inc()
-        turn, counts = next(_local_counter), []
+        turn, rest = next(_local_counter), []
     k = turn % len(targets)
     rotated = targets[k:] + targets[:k]
-    if counts:
-        load = {t.replica_id: c for t, c in zip(targets, counts, strict=True)}
-        rotated.sort(key=lambda t: load[t.replica_id])  # stable: ties keep round-robin order
-    return rotated
+    if not rest:
+        return rotated
+    counts, holders = rest[: len(targets)], rest[len(targets) :]
+    load = {t.replica_id: c for t, c in zip(targets, counts, strict=True)}
+    rotated.sort(key=lambda t: load[t.replica_id])  # stable: ties keep round-robin order
+    if policy != PREFIX or not hashes:
+        return rotated
+    by_id = {t.replica_id: t for t in targets}
+    # The replica that served the longest prefix, else the one the first block hashes to.
+    known = [h.decode() for h in (holders[0] if holders else []) if h]
+    preferred = next((by_id[r] for r in reversed(known) if r in by_id), None)
+    hit = preferred is not None
+    if preferred is None:
+        preferred = _rendezvous(targets, hashes[0])
+    # Bounded load: with this request, no replica may hold more than LOAD_FACTOR times the
+    # mean (rounded up); the least loaded replica is always within bounds.
+    bound = math.ceil(LOAD_FACTOR * (sum(load.values()) + 1) / len(targets))
+    mine = load[preferred.replica_id]
+    if mine + 1 > bound and mine > min(load.values()):
+        metrics.PREFIX_ROUTING.labels("overloaded").inc()
+        return rotated
+    metrics.PREFIX_ROUTING.labels("hit" if hit else "hashed").inc()
+    return [preferred] + [t for t in rotated if t is not preferred]
+
+
+def remember(deployment: str, hashes: list[str], replica_id: str) -> None:
+    """Note that a replica now holds these prefixes (in the background, off the hot path)."""
+    if not hashes:
+        return
+
+    async def _remember():
+        try:
+            pipe = _redis().pipeline(transaction=False)
+            for h in hashes:
+                pipe.set(_prefix_key(deployment, h), replica_id, ex=PREFIX_TTL)
+            await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("could not record prefixes in Redis: %s", exc)
+
+    _spawn(_remember())
+
+
+def _spawn(coro) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
 
 
 async def in_flight(replica_ids: list[str]) -> dict[str, int]:
@@ -86,6 +180,4 @@ def release(replica_id: str, request_id: str) -> None:
         except (RedisError, OSError) as exc:
             log.warning("could not release a request in Redis: %s", exc)
 
-    task = asyncio.get_running_loop().create_task(_release())
-    _background.add(task)
-    task.add_done_callback(_background.discard)
+    _spawn(_release())

@@ -124,6 +124,7 @@ class GenerationConsumer(AsyncJsonWebsocketConsumer):
                         "usage": {
                             "prompt_tokens": ev.prompt_tokens,
                             "completion_tokens": ev.completion_tokens,
+                            "cached_tokens": ev.cached_tokens,
                         },
                         "timings": {
                             "time_to_first_token": ev.time_to_first_token,

@@ -34,6 +34,12 @@ MIGRATIONS = Counter(
 RETRIES = Counter(
     "llamafleet_retries", "Replicas skipped before the first token (failed or full).", ["model"]
 )
+PREFIX_ROUTING = Counter(
+    "llamafleet_prefix_routing",
+    "Prefix-policy decisions: hit (a replica holds the prefix), hashed (new prefix), "
+    "overloaded (the preferred replica was over its load bound; least connections chose).",
+    ["decision"],
+)
 ROUTING_FALLBACKS = Counter(
     "llamafleet_routing_fallbacks", "Routing decisions taken without Redis (it did not answer)."
 )

@@ -64,7 +64,11 @@ def _common(body: dict) -> dict:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise _bad("'seed' must be an integer", "seed")
+    cache_prompt = body.get("cache_prompt", True)
+    if not isinstance(cache_prompt, bool):
+        raise _bad("'cache_prompt' must be a boolean", "cache_prompt")
     return {
+        "cache_prompt": cache_prompt,
         "model": model,
         "max_tokens": _number({"max_tokens": max_tokens}, "max_tokens", 0, 1, 1 << 20, int)
         if max_tokens is not None

@@ -23,10 +23,10 @@ from django.conf import settings
 from llamafleet.agent.v1 import agent_pb2 as pb
 
 from apps.catalog.models import CatalogModel
-from apps.deployments.models import Deployment, Replica
+from apps.deployments.models import Replica
 from apps.nodes import agent_client
 from apps.nodes.models import Node
-from apps.serving import balancer, metrics
+from apps.serving import balancer, metrics, routing_table
 from apps.usage.services import Caller, QuotaExceeded, Usage, check_quota, record_soon
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class GenerationParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     repeat_penalty: float = 1.0
+    cache_prompt: bool = True  # llama-server's name: reuse a cached prefix of the prompt
 
     def to_request(
         self, replica_id: str, request_id: str, resume: pb.Continuation | None = None
@@ -110,6 +111,7 @@ class GenerationParams:
             ),
             stop=self.stop,
             resume=resume,
+            no_prompt_cache=not self.cache_prompt,
         )
 
 
@@ -142,28 +144,19 @@ class Finished:
     time_to_first_token: float
     decode_seconds: float
     migrations: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV the replica reused
 
 
-async def ready_targets(model_name: str, exclude: set[str] = frozenset()) -> list[Target]:
-    """Ready replicas on ready, open nodes serving the model, in the order to try them."""
-    rows = [
-        Target(str(pk), node, address, dep, policy)
-        async for pk, node, address, dep, policy in Replica.objects.filter(
-            state=Replica.State.READY,
-            node__state=Node.State.READY,
-            node__draining=False,
-            deployment__model__name=model_name,
-            deployment__state__in=[Deployment.State.READY, Deployment.State.DEGRADED],
-        )
-        .order_by("pk")
-        .values_list(
-            "pk", "node__name", "node__address", "deployment__name", "deployment__routing_policy"
-        )
-        if str(pk) not in exclude
-    ]
+async def ready_targets(
+    model_name: str, exclude: set[str] = frozenset(), hashes: list[str] = ()
+) -> list[Target]:
+    """Ready replicas on ready, open nodes serving the model, in the order to try them
+    (hashes: the prompt's prefix hashes, for the prefix policy)."""
+    rows = [Target(*row) for row in await routing_table.ready_rows(model_name)]
+    rows = [t for t in rows if t.replica_id not in exclude]
     if not rows:
         return rows
-    return await balancer.order(rows, rows[0].policy, model_name)
+    return await balancer.order(rows, rows[0].policy, model_name, hashes)
 
 
 async def served_models() -> list[dict]:
@@ -240,6 +233,7 @@ class Generation:
         self._delivered = 0  # UTF-8 bytes the consumer received
         self._pieces = 0
         self.first_token_at = 0.0  # time.monotonic() of the first piece
+        self.hashes = balancer.prefix_hashes(params.messages, params.prompt)
 
     async def _open(self, targets: list[Target], resume: pb.Continuation | None) -> None:
         """Start the stream on the first of `targets` that answers; raises ServingError."""
@@ -259,6 +253,8 @@ class Generation:
                 balancer.release(target.replica_id, key)
                 last = _error_from_rpc(exc)
                 if _replica_lost(exc) or last.code == "overloaded":
+                    if _replica_lost(exc):
+                        routing_table.invalidate()
                     metrics.RETRIES.labels(self.params.model).inc()
                     continue
                 raise last from None
@@ -270,6 +266,8 @@ class Generation:
                 continue
             self.target, self._call, self._first, self._key = target, call, first, key
             self.served.append(target)
+            if target.policy == balancer.PREFIX:
+                balancer.remember(target.deployment, self.hashes, target.replica_id)
             return
         raise last or ServingError(503, "no replica could serve the request", "server_error")
 
@@ -284,6 +282,7 @@ class Generation:
         """Continue on another replica from the tokens generated so far."""
         if self.migrations >= settings.MAX_MIGRATIONS or time.monotonic() >= self.deadline:
             raise cause
+        routing_table.invalidate()  # a replica failed: read the table afresh
         targets = await ready_targets(self.params.model, exclude=self._tried)
         if not targets:
             raise ServingError(
@@ -357,6 +356,7 @@ class Generation:
             first - self.started,
             end - first,
             self.migrations,
+            msg.usage.cached_tokens,
         )
 
 
@@ -384,8 +384,8 @@ class _Slot:
         metrics.IN_FLIGHT.labels(self.model).dec()
 
 
-async def _targets_or_error(model: str) -> list[Target]:
-    targets = await ready_targets(model)
+async def _targets_or_error(model: str, hashes: list[str] = ()) -> list[Target]:
+    targets = await ready_targets(model, hashes=hashes)
     if not targets and not await CatalogModel.objects.filter(name=model).aexists():
         raise ServingError(
             404, f"The model '{model}' does not exist", code="model_not_found", param="model"
@@ -469,8 +469,8 @@ async def start_generation(params: GenerationParams, request_id: str = "") -> Ge
     Errors before the first message surface here as ServingError, so that an HTTP caller
     still gets a proper status code.
     """
-    targets = await _targets_or_error(params.model)
     gen = Generation(params, request_id)
+    targets = await _targets_or_error(params.model, gen.hashes)
     await gen._open(targets, None)
     return gen
 

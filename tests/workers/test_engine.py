@@ -1,11 +1,15 @@
-"""The continuous-batching engine against llama-cpp-python's own Llama, same process."""
+"""The continuous-batching engine against llama-cpp-python's own Llama, same process.
+
+`engine` runs the default throughput mode (one KV cache, mixed batches, prompt cache);
+`invariant` the batch-invariant mode, whose greedy texts must equal solo runs.
+"""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.conftest import CHAT
-from workers.engine.core import BatchEngine, Request, Sampling
+from workers.engine.core import BatchEngine, Request, Sampling, common_prefix
 from workers.engine.errors import EngineError
 
 
@@ -14,6 +18,19 @@ def engine(smollm2_path):
     e = BatchEngine(str(smollm2_path), context_length=512, parallel=4, threads=2, max_queue=8)
     yield e
     e.close()
+
+
+@pytest.fixture(scope="module")
+def invariant(smollm2_path):
+    e = BatchEngine(
+        str(smollm2_path), context_length=512, parallel=4, threads=2, batch_invariant=True
+    )
+    yield e
+    e.close()
+
+
+def free_slots(engine) -> int:
+    return sum(not slot.busy for slot in engine.slots)
 
 
 def chat_tokens(engine, messages=CHAT):
@@ -59,21 +76,25 @@ PROMPTS = [
 ]
 
 
-def test_greedy_text_equals_llama_in_process(engine, reference_text):
-    texts, done, _ = run(engine, [Request("a", chat_tokens(engine), 48, GREEDY)])
+@pytest.mark.parametrize("mode", ["engine", "invariant"])
+def test_greedy_text_equals_llama_in_process(mode, request, reference_text):
+    engine = request.getfixturevalue(mode)
+    req = Request("a", chat_tokens(engine), 48, GREEDY, cache_prompt=False)
+    texts, done, _ = run(engine, [req])
     assert texts["a"] == reference_text(CHAT, 48)
     assert done["a"][2] in ("stop", "length")
     assert done["a"][3]["prompt_tokens"] == len(chat_tokens(engine))
 
 
-def test_concurrent_sequences_each_equal_their_solo_run(engine, reference_text):
+def test_concurrent_sequences_each_equal_their_solo_run(invariant, reference_text):
     # More requests than slots: the extra ones wait and join between steps.
+    engine = invariant
     reqs = [Request(f"r{i}", chat_tokens(engine, p), 40, GREEDY) for i, p in enumerate(PROMPTS)]
     texts, done, errors = run(engine, reqs)
     assert not errors
     for i, p in enumerate(PROMPTS):
         assert texts[f"r{i}"] == reference_text(p, 40), p
-    assert len(engine.free_seq_ids) == engine.parallel  # every slot came back
+    assert free_slots(engine) == engine.parallel  # every slot came back
 
 
 def test_max_tokens_ends_with_length(engine):
@@ -108,14 +129,15 @@ def test_generation_stops_at_the_end_of_its_context(smollm2_path):
         e.close()
 
 
-def test_cancel_frees_the_slot_and_others_continue(engine, reference_text):
+def test_cancel_frees_the_slot_and_others_continue(invariant, reference_text):
+    engine = invariant
     long = chat_tokens(engine, [{"role": "user", "content": "Write a long story."}])
     reqs = [Request("long", long, 200, GREEDY), Request("short", chat_tokens(engine), 48, GREEDY)]
     texts, done, _ = run(engine, reqs, cancel_after=("long", 5))
     assert done["long"][2] == "cancelled"
     assert done["long"][3]["completion_tokens"] < 10
     assert texts["short"] == reference_text(CHAT, 48)
-    assert len(engine.free_seq_ids) == engine.parallel
+    assert free_slots(engine) == engine.parallel
 
 
 def test_full_queue_is_refused(smollm2_path):
@@ -163,8 +185,9 @@ STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
 
 
 @pytest.mark.parametrize("cut", [1, 7, 20, 45])
-def test_resumed_generation_continues_the_text_exactly(engine, cut):
+def test_resumed_generation_continues_the_text_exactly(invariant, cut):
     """Migration: another engine given the tokens so far continues with the same text."""
+    engine = invariant
     prompt = chat_tokens(engine, STORY)
     full, full_done = _events(engine, Request("whole", prompt, 64, GREEDY))
     text = "".join(p[2] for p in full)
@@ -228,7 +251,9 @@ def test_text_does_not_depend_on_what_runs_beside_it(smollm2_path, reference_tex
         for extra in ("", " Make it funny.")
         for t in topics
     ]
-    e = BatchEngine(str(smollm2_path), context_length=2048, parallel=8, threads=2)
+    e = BatchEngine(
+        str(smollm2_path), context_length=2048, parallel=8, threads=2, batch_invariant=True
+    )
     try:
         reqs = [Request(f"p{i}", chat_tokens(e, p), 64, GREEDY) for i, p in enumerate(prompts)]
         texts, _, errors = run(e, reqs)
@@ -302,14 +327,102 @@ def test_embeddings_equal_llama_in_process(engine, smollm2_path):
     assert texts_after["g"]
 
 
-def test_a_shared_kv_cache_serves_too(smollm2_path, reference_text):
-    """The faster mode: one KV cache for all slots. Alone, a sequence still gets its solo text."""
-    e = BatchEngine(str(smollm2_path), context_length=512, parallel=4, threads=2, shared_kv=True)
+def detokenize(engine, ids: list[int]) -> str:
+    return b"".join(engine.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("cut", [1, 20, 45])
+def test_a_resumed_generation_loses_and_repeats_nothing_in_throughput_mode(engine, cut):
+    """Migration in the default mode: the text sent is exactly the text of the tokens
+    already generated followed by the new ones, and every token counts once."""
+    prompt = chat_tokens(engine, STORY)
+    full, _ = _events(engine, Request("whole", prompt, 64, GREEDY))
+    ids = [t for p in full[:cut] for t in p[4]]
+    delivered = "".join(p[2] for p in full[:cut])
+    resumed = Request("resumed", prompt, 64, GREEDY, resume_tokens=ids)
+    resumed.delivered_bytes = len(delivered.encode())
+    rest, done = _events(engine, resumed)
+    new_ids = [t for p in rest for t in p[4]]
+    assert delivered + "".join(p[2] for p in rest) == detokenize(engine, ids + new_ids)
+    assert done[3]["completion_tokens"] == len(ids) + len(new_ids) == 64
+    assert done[2] == "length"
+
+
+def test_a_follow_up_reuses_the_cached_prompt(smollm2_path):
+    """A chat's next turn evaluates only what is new; the slot keeps its KV in between."""
+    e = BatchEngine(str(smollm2_path), context_length=1024, parallel=2, threads=2)
     try:
-        alone, _, _ = run(e, [Request("a", chat_tokens(e), 48, GREEDY)])
-        assert alone["a"] == reference_text(CHAT, 48)
-        reqs = [Request(f"r{i}", chat_tokens(e, p), 24, GREEDY) for i, p in enumerate(PROMPTS)]
-        texts, done, errors = run(e, reqs)
-        assert not errors and len(done) == len(PROMPTS) and all(texts.values())
+        turn1 = [{"role": "system", "content": "You are a helpful librarian. " * 20}] + CHAT
+        t1 = chat_tokens(e, turn1)
+        texts, done, _ = run(e, [Request("t1", t1, 16, GREEDY)])
+        assert done["t1"][3]["cached_tokens"] == 0
+        turn2 = turn1 + [
+            {"role": "assistant", "content": texts["t1"]},
+            {"role": "user", "content": "And of Spain?"},
+        ]
+        t2 = chat_tokens(e, turn2)
+        _, done, _ = run(e, [Request("t2", t2, 16, GREEDY)])
+        cached = done["t2"][3]["cached_tokens"]
+        # Everything up to the first answer is reused (its re-tokenised text may differ in
+        # its last tokens), and never the whole prompt: the last token gives the logits.
+        assert len(t1) <= cached < len(t2)
+        # The same prompt again: all but its last token come from the cache.
+        _, again, _ = run(e, [Request("t2b", t2, 4, GREEDY)])
+        assert again["t2b"][3]["cached_tokens"] == len(t2) - 1
+        # Asked not to, the engine evaluates the whole prompt.
+        _, cold, _ = run(e, [Request("t2c", t2, 4, GREEDY, cache_prompt=False)])
+        assert cold["t2c"][3]["cached_tokens"] == 0
+    finally:
+        e.close()
+
+
+def test_each_conversation_finds_its_own_slot(smollm2_path):
+    """Two conversations take turns: each new turn goes to the slot holding its history,
+    not to the other conversation's (longest common prefix wins)."""
+    e = BatchEngine(str(smollm2_path), context_length=1024, parallel=2, threads=2)
+    try:
+        a = chat_tokens(e, [{"role": "user", "content": "Tell me about owls. " * 10}])
+        b = chat_tokens(e, [{"role": "user", "content": "Tell me about trains. " * 10}])
+        run(e, [Request("a1", a, 4, GREEDY)])
+        _, db1, _ = run(e, [Request("b1", b, 4, GREEDY)])
+        # b's first turn shares only the template's opening with a: copied into the free
+        # slot, without taking a's slot.
+        assert db1["b1"][3]["cached_tokens"] == common_prefix(a, b) > 0
+        _, da, _ = run(e, [Request("a2", a, 4, GREEDY)])
+        _, db, _ = run(e, [Request("b2", b, 4, GREEDY)])
+        assert da["a2"][3]["cached_tokens"] == len(a) - 1
+        assert db["b2"][3]["cached_tokens"] == len(b) - 1
+    finally:
+        e.close()
+
+
+def test_the_invariant_mode_keeps_no_prompt_cache(invariant):
+    prompt = chat_tokens(invariant)
+    run(invariant, [Request("x", prompt, 4, GREEDY)])
+    _, done, _ = run(invariant, [Request("y", prompt, 4, GREEDY)])
+    assert done["y"][3]["cached_tokens"] == 0
+
+
+def test_new_prompts_join_running_sequences_in_the_same_decode(smollm2_path):
+    """Throughput mode: eight prompts arriving together are all read in the first step,
+    and one arriving later is read alongside the others' decoding, not after it."""
+    e = BatchEngine(str(smollm2_path), context_length=512, parallel=8, threads=2)
+    try:
+        topics = ["owls", "trains", "rain", "bread", "maps", "tea", "snow", "bees"]
+        for i, t in enumerate(topics[:7]):
+            e.submit(
+                Request(
+                    f"s{i}", chat_tokens(e, [{"role": "user", "content": f"On {t}."}]), 8, GREEDY
+                )
+            )
+        first = {ev[1] for ev in e.step() if ev[0] in ("token", "done")}
+        assert first == {f"s{i}" for i in range(7)}  # one step: every prompt read, sampled
+        e.submit(
+            Request("late", chat_tokens(e, [{"role": "user", "content": "On bees."}]), 8, GREEDY)
+        )
+        second = {ev[1] for ev in e.step() if ev[0] in ("token", "done")}
+        assert second == {f"s{i}" for i in range(7)} | {"late"}
+        while not e.idle():
+            e.step()
     finally:
         e.close()

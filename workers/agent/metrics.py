@@ -33,6 +33,24 @@ class AgentMetrics:
             ["replica", "model"],
             registry=self.registry,
         )
+        self.prompt_cache_hits = Counter(
+            "llamafleet_agent_prompt_cache_hits",
+            "Generations that reused a cached prompt prefix.",
+            ["replica", "model"],
+            registry=self.registry,
+        )
+        self.prompt_cache_tokens = Counter(
+            "llamafleet_agent_prompt_cache_tokens",
+            "Prompt tokens taken from the cache instead of being evaluated.",
+            ["replica", "model"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "llamafleet_agent_prompt_tokens",
+            "Prompt tokens of generations that ended (cached ones included).",
+            ["replica", "model"],
+            registry=self.registry,
+        )
         self.time_to_first_token = Histogram(
             "llamafleet_agent_time_to_first_token_seconds",
             "From the engine receiving a request to its first token (queueing included).",
@@ -53,6 +71,11 @@ class AgentMetrics:
         self.generations.labels(replica_id, model, reason).inc()
         n = usage.get("completion_tokens", 0)
         self.tokens.labels(replica_id, model).inc(n)
+        self.prompt_tokens.labels(replica_id, model).inc(usage.get("prompt_tokens", 0))
+        cached = usage.get("cached_tokens", 0)
+        if cached:
+            self.prompt_cache_hits.labels(replica_id, model).inc()
+            self.prompt_cache_tokens.labels(replica_id, model).inc(cached)
         if n:
             self.time_to_first_token.labels(model).observe(timings["time_to_first_token"])
         if n > 1 and timings["decode_seconds"] > 0:

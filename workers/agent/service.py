@@ -141,7 +141,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             else -1,
             split_mode=request.split_mode or 1,
             tensor_split=list(request.tensor_split),
-            shared_kv=request.shared_kv,
+            batch_invariant=request.batch_invariant,
         )
         engine = EngineProcess(config, on_state_change=lambda _e: self._on_change())
         replica = Replica(request, engine)
@@ -304,4 +304,5 @@ def inference_payload(request: pb.InferenceRequest) -> dict:
         "stop": list(request.stop),
         "resume_tokens": list(request.resume.token_ids),
         "delivered_bytes": request.resume.delivered_bytes,
+        "cache_prompt": not request.no_prompt_cache,
     }

@@ -50,7 +50,7 @@ def measure(argv: list[str]) -> dict[str, dict[str, int]]:
     p.add_argument("--n-gpu-layers", type=int, default=-1)
     p.add_argument("--split-mode", type=int, default=1)
     p.add_argument("--tensor-split", type=float, nargs="*", default=[])
-    p.add_argument("--shared-kv", action="store_true")
+    p.add_argument("--invariant", action="store_true", help="the batch-invariant mode")
     args = p.parse_args(argv)
     chunks: list[str] = []
 
@@ -68,7 +68,7 @@ def measure(argv: list[str]) -> dict[str, dict[str, int]]:
         n_gpu_layers=args.n_gpu_layers,
         split_mode=args.split_mode,
         tensor_split=args.tensor_split or None,
-        shared_kv=args.shared_kv,
+        batch_invariant=args.invariant,
     )
     return parse("".join(chunks))
 

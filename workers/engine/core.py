@@ -1,9 +1,19 @@
-"""Continuous batching on llama.cpp's batch API.
+"""Continuous batching on llama.cpp's batch API, with a prompt cache per slot.
 
-One llama context holds `parallel` sequences, each in its own KV stream. Every step builds one
-llama_batch with the next token of each decoding sequence plus a chunk of a waiting
-prompt, decodes it once, and samples each sequence with its own sampler chain. New
-requests join between steps; finished or cancelled ones leave without stalling the rest.
+One llama context holds `parallel` sequences (slots). New requests join between steps;
+finished or cancelled ones leave without stalling the rest. Two modes:
+
+Each slot has a KV stream of its own (as llama-server has them: attention then reads only
+the sequence's own cells; one cache shared by all slots was slower at 8 streams here).
+
+- throughput (the default, what llama-server does): each step is one llama_decode carrying
+  the next token of every decoding sequence plus prompt chunks of new ones, up to N_BATCH
+  tokens. A slot keeps its sequence's KV after the request ends; a new request reuses the
+  longest token prefix a free slot holds and evaluates only the rest (llama-server's
+  cache_prompt).
+- invariant: prompt chunks decoded apart from decode tokens, flash attention off and no
+  prompt cache, so each sequence's numbers are those of a solo run and greedy text does not
+  depend on load. It costs throughput (see the README's measurements).
 
 This module runs inside the engine child process only: a crash in llama.cpp must never
 reach the agent.
@@ -55,6 +65,27 @@ class Request:
     resume_tokens: list[int] = field(default_factory=list)
     #: UTF-8 bytes of the resumed tokens' text that the client already has.
     delivered_bytes: int = 0
+    #: Reuse a slot's cached prefix of the prompt (throughput mode only).
+    cache_prompt: bool = True
+
+
+@dataclass
+class _Slot:
+    """One of the context's sequence ids, and the tokens its KV cache holds between requests."""
+
+    seq_id: int
+    cached: list[int] = field(default_factory=list)
+    last_used: float = 0.0
+    busy: bool = False
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 @dataclass
@@ -71,8 +102,10 @@ class _Sequence:
     last_token: int = -1
     generated: int = 0
     batch_index: int = -1  # index in the current batch whose logits to sample
+    cached_tokens: int = 0  # prompt tokens whose KV the slot's cache already held
     pending_text: str = ""  # decoded text held back while it may start a stop string
     new_tokens: list[int] = field(default_factory=list)  # sampled, not yet sent with text
+    sampled: list[int] = field(default_factory=list)  # every token sampled here
     emitted: int = 0  # pieces emitted
     admitted_at: float = 0.0
     first_token_at: float = 0.0
@@ -96,7 +129,7 @@ class BatchEngine:
         n_gpu_layers: int = -1,
         split_mode: int = L.LLAMA_SPLIT_MODE_LAYER,
         tensor_split: list[float] | None = None,
-        shared_kv: bool = False,
+        batch_invariant: bool = False,
     ):
         """rpc_servers split the model: the last n_gpu_layers layers (-1: all) go to those
         servers, in proportion to tensor_split; the rest stay here. Without rpc_servers,
@@ -136,16 +169,24 @@ class BatchEngine:
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         self.threads = threads
-        # By default one KV stream per slot, not a unified cache: a sequence then sits at the
-        # same cells as it would alone, so attention sums in the same order and greedy text
-        # is the same whatever else is batched with it (a unified cache diverges). The shared
-        # cache is faster with many sequences (8 streams: 1.6x one stream against 1.2x).
-        cparams.kv_unified = shared_kv
-        # Off, as llama-cpp-python's Llama has it, for identical numerics; tensor-parallel
-        # splits need it on.
-        cparams.flash_attn_type = (
-            L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
+        self.invariant = bool(batch_invariant)
+        # One KV stream per slot: a sequence sits at the same cells as it would alone (what
+        # the invariant mode needs), and attention reads only its own cells.
+        cparams.kv_unified = False
+        if self.invariant:
+            # Off, as llama-cpp-python's Llama has it, for identical numerics; tensor-parallel
+            # splits need it on.
+            cparams.flash_attn_type = (
+                L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            )
+        else:
+            # llama-server's default: llama.cpp turns it on where the backend supports it.
+            cparams.flash_attn_type = (
+                L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_AUTO
+            )
+            # Sliding-window layers would otherwise drop the cells a cached prefix needs, and
+            # every later turn of a chat would be evaluated again from the start.
+            cparams.swa_full = True
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)
@@ -153,7 +194,8 @@ class BatchEngine:
         self.memory = L.llama_get_memory(self.ctx)
         self.batch = L.llama_batch_init(N_BATCH, 0, 1)
         self.max_queue = max_queue
-        self.free_seq_ids = deque(range(self.parallel))
+        self.slots = [_Slot(i) for i in range(self.parallel)]
+        self.n_swa = L.llama_model_n_swa(self.model)
         self.waiting: deque[Request] = deque()
         self.active: dict[str, _Sequence] = {}
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
@@ -289,7 +331,7 @@ class BatchEngine:
             "done",
             req.request_id,
             reason,
-            {"prompt_tokens": len(req.prompt_tokens), "completion_tokens": 0},
+            {"prompt_tokens": len(req.prompt_tokens), "completion_tokens": 0, "cached_tokens": 0},
             {
                 "time_to_first_token": 0.0,
                 "decode_seconds": 0.0,
@@ -317,22 +359,72 @@ class BatchEngine:
         return chain
 
     def _admit(self, events: list[tuple]) -> None:
-        while self.waiting and self.free_seq_ids:
+        while self.waiting:
+            free = [slot for slot in self.slots if not slot.busy]
+            if not free:
+                return
             req = self.waiting.popleft()
-            seq_id = self.free_seq_ids.popleft()
             room = self.context_length - len(req.prompt_tokens)
             limit = min(req.max_tokens, room) if req.max_tokens > 0 else room
+            prefill = req.prompt_tokens + req.resume_tokens
+            slot, reused = self._take_slot(free, prefill, req.cache_prompt)
             seq = _Sequence(
                 req=req,
-                seq_id=seq_id,
+                seq_id=slot.seq_id,
                 sampler=self._new_sampler(req.sampling),
                 limit=limit,
-                prefill=req.prompt_tokens + req.resume_tokens,
+                prefill=prefill,
+                prefill_pos=reused,
+                n_past=reused,
+                cached_tokens=min(reused, len(req.prompt_tokens)),
                 admitted_at=time.monotonic(),
             )
             self.active[req.request_id] = seq
             if req.resume_tokens:
                 self._resume(seq, events)
+
+    def _take_slot(self, free: list[_Slot], tokens: list[int], reuse: bool) -> tuple[_Slot, int]:
+        """The free slot to use for a prompt, and how many of its tokens that slot's KV holds.
+
+        The free slot sharing the longest prefix with the prompt is the source. The prompt
+        either continues in that slot, cutting the cache's tail that differs, or goes to the
+        slot whose cache is worth least (empty, else used least recently) with the source's
+        stream copied in; whichever throws fewer cached tokens away. So a common system
+        prompt is reused without evicting another conversation, and the next turn of a
+        conversation stays where its history is. At least the last token is evaluated again:
+        its logits give the first new token.
+        """
+        dst = min(free, key=lambda s: (len(s.cached) > 0, s.last_used))
+        if self.invariant or not reuse:
+            return self._claim(dst, None, 0)
+        shared = {id(s): common_prefix(s.cached, tokens) for s in free}
+        src = max(free, key=lambda s: (shared[id(s)], -s.last_used))
+        n = min(shared[id(src)], len(tokens) - 1)
+        if not n:
+            return self._claim(dst, None, 0)
+        if dst is src or len(src.cached) - n <= len(dst.cached):
+            return self._claim(src, None, n)
+        return self._claim(dst, src, n)
+
+    def _claim(self, slot: _Slot, src: _Slot | None, reused: int) -> tuple[_Slot, int]:
+        """Make `slot` hold the first `reused` tokens (its own, or copied from src)."""
+        slot.busy = True
+        mem, seq = self.memory, slot.seq_id
+        if src is not None:
+            # Across KV streams llama.cpp copies whole streams only (at the next decode);
+            # the tail beyond the shared prefix is cut after.
+            L.llama_memory_seq_rm(mem, seq, -1, -1)
+            L.llama_memory_seq_cp(mem, src.seq_id, seq, -1, -1)
+        if reused and not L.llama_memory_seq_rm(mem, seq, reused, -1):
+            reused = 0
+        if reused and self.n_swa > 0:
+            # llama-server's check: the window before the reused end must still be there.
+            if L.llama_memory_seq_pos_min(mem, seq) > max(0, reused - self.n_swa):
+                reused = 0
+        if not reused:
+            L.llama_memory_seq_rm(mem, seq, -1, -1)
+        slot.cached = []
+        return slot, reused
 
     def _resume(self, seq: _Sequence, events: list[tuple]) -> None:
         """Take over a generation: its tokens count as generated, unsent text is sent."""
@@ -360,18 +452,53 @@ class BatchEngine:
         b.logits[i] = logits
 
     def step(self) -> list[tuple]:
-        """Decode one step; returns events ("token", ...) and ("done", ...).
-
-        A step is one llama_decode with the next token of every decoding sequence, then one
-        with the next prompt chunk of a single waiting sequence. Keeping them apart makes
-        each sequence's numbers those of a solo run (llama.cpp splits a mixed batch into
-        other chunks, and a prompt chunked differently can change a greedy choice), so
-        greedy text does not depend on what else is running.
-        """
+        """Decode one step; returns events ("token", ...) and ("done", ...)."""
         events: list[tuple] = []
         self._admit(events)
         if not self.active:
             return events
+        if self.invariant:
+            self._step_invariant(events)
+        else:
+            self._step_throughput(events)
+        return events
+
+    def _step_throughput(self, events: list[tuple]) -> None:
+        """One llama_decode: every decoding sequence's next token, then prompt chunks of
+        the sequences still reading theirs (in arrival order) up to N_BATCH tokens, so that
+        new requests reach their first token within a step or two of arriving."""
+        n = 0
+        reading = []
+        for seq in self.active.values():
+            seq.batch_index = -1
+            if seq.prefill_pos < len(seq.prefill):
+                reading.append(seq)
+                continue
+            self._add(n, seq.last_token, seq.n_past, seq.seq_id, True)
+            seq.batch_index = n
+            seq.n_past += 1
+            n += 1
+        for seq in reading:
+            end = min(len(seq.prefill), seq.prefill_pos + N_BATCH - n)
+            for pos in range(seq.prefill_pos, end):
+                last = pos == len(seq.prefill) - 1
+                self._add(n, seq.prefill[pos], seq.n_past, seq.seq_id, last)
+                if last:
+                    seq.batch_index = n
+                seq.n_past += 1
+                n += 1
+            seq.prefill_pos = end
+            if n >= N_BATCH:
+                break
+        if self._decode(n, events):
+            self._sample(events)
+
+    def _step_invariant(self, events: list[tuple]) -> None:
+        """One llama_decode with the next token of every decoding sequence, then one with
+        the next prompt chunk of a single waiting sequence. Keeping them apart makes each
+        sequence's numbers those of a solo run (llama.cpp splits a mixed batch into other
+        chunks, and a prompt chunked differently can change a greedy choice), so greedy
+        text does not depend on what else is running."""
         n = 0
         for seq in self.active.values():
             seq.batch_index = -1
@@ -392,7 +519,7 @@ class BatchEngine:
             seq.n_past += 1
             n += 1
         if n and not self._decode(n, events):
-            return events
+            return
         self._sample(events)
         prompt = next(
             (q for q in self.active.values() if q.prefill_pos < len(q.req.prompt_tokens)), None
@@ -410,14 +537,15 @@ class BatchEngine:
                 prompt.n_past += 1
                 n += 1
             prompt.prefill_pos = end
-            if not self._decode(n, events):
-                return events
-            self._sample(events)
-        return events
+            if self._decode(n, events):
+                self._sample(events)
 
     def _decode(self, n: int, events: list[tuple]) -> bool:
         self.batch.n_tokens = n
         rc = L.llama_decode(self.ctx, self.batch)
+        if rc == 1 and self._drop_idle_caches():
+            # No room in the KV cache: idle slots' cached prompts give theirs back.
+            rc = L.llama_decode(self.ctx, self.batch)
         if rc != 0:
             # Fail what is running rather than the whole engine.
             events.extend(
@@ -426,6 +554,16 @@ class BatchEngine:
             )
             return False
         return True
+
+    def _drop_idle_caches(self) -> bool:
+        """Free the KV cells that idle slots keep for their prompt cache; True if any."""
+        dropped = False
+        for slot in self.slots:
+            if not slot.busy and slot.cached:
+                L.llama_memory_seq_rm(self.memory, slot.seq_id, -1, -1)
+                slot.cached = []
+                dropped = True
+        return dropped
 
     def _sample(self, events: list[tuple]) -> None:
         """Sample every sequence whose logits the last decode produced."""
@@ -443,6 +581,7 @@ class BatchEngine:
             seq.generated += 1
             seq.last_token = token
             seq.new_tokens.append(token)
+            seq.sampled.append(token)
             text = seq.decoder.decode(self.token_bytes(token))
             stopped = self._push_text(seq, text, events)
             if stopped:
@@ -495,21 +634,32 @@ class BatchEngine:
             return []
         return [self._piece(seq, text)]
 
-    def _release(self, seq: _Sequence) -> None:
+    def _release(self, seq: _Sequence, keep_cache: bool) -> None:
+        """Give the slot back; in throughput mode its KV stays as a prompt cache."""
         del self.active[seq.req.request_id]
-        L.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
+        slot = self.slots[seq.seq_id]
+        slot.busy = False
+        slot.last_used = time.monotonic()
+        if keep_cache and not self.invariant:
+            slot.cached = (seq.prefill + seq.sampled)[: seq.n_past]
+        else:
+            slot.cached = []
+            L.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
         L.llama_sampler_free(seq.sampler)
-        self.free_seq_ids.append(seq.seq_id)
 
     def _finish(self, seq: _Sequence, reason: str) -> tuple:
-        self._release(seq)
+        self._release(seq, keep_cache=True)
         now = time.monotonic()
         first = seq.first_token_at or now
         return (
             "done",
             seq.req.request_id,
             reason,
-            {"prompt_tokens": len(seq.req.prompt_tokens), "completion_tokens": seq.generated},
+            {
+                "prompt_tokens": len(seq.req.prompt_tokens),
+                "completion_tokens": seq.generated,
+                "cached_tokens": seq.cached_tokens,
+            },
             {
                 "time_to_first_token": first - seq.req.received_at,
                 "decode_seconds": now - first,
@@ -518,7 +668,7 @@ class BatchEngine:
         )
 
     def _fail(self, seq: _Sequence, code: str, message: str) -> tuple:
-        self._release(seq)
+        self._release(seq, keep_cache=False)
         return ("error", seq.req.request_id, code, message)
 
     def close(self) -> None:

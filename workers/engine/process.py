@@ -46,7 +46,7 @@ class EngineConfig:
     n_gpu_layers: int = -1
     split_mode: int = 1  # LLAMA_SPLIT_MODE_LAYER; 3 is tensor parallel
     tensor_split: list[float] = field(default_factory=list)
-    shared_kv: bool = False
+    batch_invariant: bool = False  # see BatchEngine
 
 
 # ---- child side ----------------------------------------------------------------------
@@ -146,7 +146,7 @@ def child_main(conn, config: EngineConfig) -> None:
             n_gpu_layers=config.n_gpu_layers,
             split_mode=config.split_mode,
             tensor_split=config.tensor_split,
-            shared_kv=config.shared_kv,
+            batch_invariant=config.batch_invariant,
         )
     except EngineError as exc:
         conn.send(("load_error", exc.code, exc.message))
@@ -194,6 +194,7 @@ def child_main(conn, config: EngineConfig) -> None:
                             stop=list(payload.get("stop") or []),
                             resume_tokens=list(payload.get("resume_tokens") or []),
                             delivered_bytes=int(payload.get("delivered_bytes") or 0),
+                            cache_prompt=bool(payload.get("cache_prompt", True)),
                         )
                     )
                 except EngineError as exc:

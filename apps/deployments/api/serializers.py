@@ -99,7 +99,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "context_length",
             "parallel",
             "routing_policy",
-            "shared_kv",
+            "batching",
             "split_mode",
             "pin_nodes",
             "state",
@@ -132,10 +132,12 @@ class CreateDeploymentSerializer(serializers.Serializer):
     context_length = serializers.IntegerField(required=False, min_value=16)
     parallel = serializers.IntegerField(required=False, min_value=1, max_value=256)
     routing_policy = serializers.ChoiceField(
-        choices=Deployment.Routing.choices, default=Deployment.Routing.LEAST_CONNECTIONS
+        choices=Deployment.Routing.choices,
+        required=False,
+        help_text="Defaults to prefix for models with a chat template, else least_connections.",
     )
-    shared_kv = serializers.BooleanField(
-        default=False, help_text="Faster under load; greedy text may vary with load."
+    batching = serializers.ChoiceField(
+        choices=Deployment.Batching.choices, default=Deployment.Batching.THROUGHPUT
     )
     split_mode = serializers.ChoiceField(
         choices=Deployment.SplitMode.choices,
@@ -153,7 +155,7 @@ class CreateDeploymentSerializer(serializers.Serializer):
 class PlanRequestSerializer(CreateDeploymentSerializer):
     name = None
     routing_policy = None
-    shared_kv = None
+    batching = None
 
 
 class ScaleSerializer(serializers.Serializer):

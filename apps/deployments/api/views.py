@@ -39,8 +39,8 @@ class DeploymentViewSet(
             v["replicas"],
             v.get("context_length"),
             v.get("parallel"),
-            v["routing_policy"],
-            v["shared_kv"],
+            v.get("routing_policy"),
+            v["batching"],
             v["split_mode"],
             v["pin_nodes"],
         )

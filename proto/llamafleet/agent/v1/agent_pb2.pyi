@@ -49,7 +49,7 @@ ERROR_CODE_OVERLOADED: ErrorCode
 ERROR_CODE_INVALID_ARGUMENT: ErrorCode
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("replica_id", "model_name", "sha256", "size_bytes", "download_url", "context_length", "parallel", "threads", "chat_template", "rpc_servers", "n_gpu_layers", "split_mode", "tensor_split", "shared_kv")
+    __slots__ = ("replica_id", "model_name", "sha256", "size_bytes", "download_url", "context_length", "parallel", "threads", "chat_template", "rpc_servers", "n_gpu_layers", "split_mode", "tensor_split", "batch_invariant")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -63,7 +63,7 @@ class LoadModelRequest(_message.Message):
     N_GPU_LAYERS_FIELD_NUMBER: _ClassVar[int]
     SPLIT_MODE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_SPLIT_FIELD_NUMBER: _ClassVar[int]
-    SHARED_KV_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     model_name: str
     sha256: str
@@ -77,8 +77,8 @@ class LoadModelRequest(_message.Message):
     n_gpu_layers: int
     split_mode: int
     tensor_split: _containers.RepeatedScalarFieldContainer[float]
-    shared_kv: bool
-    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ..., chat_template: _Optional[str] = ..., rpc_servers: _Optional[_Iterable[str]] = ..., n_gpu_layers: _Optional[int] = ..., split_mode: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., shared_kv: _Optional[bool] = ...) -> None: ...
+    batch_invariant: bool
+    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ..., chat_template: _Optional[str] = ..., rpc_servers: _Optional[_Iterable[str]] = ..., n_gpu_layers: _Optional[int] = ..., split_mode: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("state", "error", "memory_bytes", "load_seconds")
@@ -129,7 +129,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., repeat_penalty: _Optional[float] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
-    __slots__ = ("replica_id", "request_id", "messages", "prompt", "max_tokens", "sampling", "stop", "resume")
+    __slots__ = ("replica_id", "request_id", "messages", "prompt", "max_tokens", "sampling", "stop", "resume", "no_prompt_cache")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class InferenceRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    NO_PROMPT_CACHE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -146,7 +147,8 @@ class InferenceRequest(_message.Message):
     sampling: SamplingParams
     stop: _containers.RepeatedScalarFieldContainer[str]
     resume: Continuation
-    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+    no_prompt_cache: bool
+    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Continuation, _Mapping]] = ..., no_prompt_cache: _Optional[bool] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("token_ids", "delivered_bytes")
@@ -157,12 +159,14 @@ class Continuation(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., delivered_bytes: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("time_to_first_token", "decode_seconds", "queue_seconds")
