@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO := proto/llamafleet/agent/v1/agent.proto
 
-.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-split bench-planner
+.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner llama-server
 
 setup: $(VENV)/.installed
 
@@ -37,8 +37,15 @@ proto: setup
 check-proto: setup
 	scripts/check_proto.sh $(PY)
 
-bench: setup
+# The serving benchmark compares with llama.cpp's own llama-server, built once under var/.
+llama-server: setup
+	scripts/build_llama_server.sh $(PY)
+
+bench: llama-server
 	$(PY) bench/serving.py
+
+bench-gemma: llama-server
+	$(PY) bench/serving.py --model gemma
 
 # Needs root (network namespaces) and the test model cache (run `make test` once).
 bench-split: setup

@@ -20,6 +20,10 @@ llama-server's figure from the same run:
 - LlamaFleet only: 20 streams over 2 replicas, one engine SIGKILLed mid-flight, in the
   default (throughput) mode and in the batch-invariant mode.
 
+The two-replica parts run on a restarted stack whose agent gives each engine one thread:
+two engines with two OpenMP threads each on two cores spin at every barrier and decode at a
+small fraction of their speed.
+
 Writes bench/results/serving.json (or serving-<model>.json). Usage:
   .venv/bin/python bench/serving.py [--rounds 5] [--model smollm2|gemma] [--only a,b]
 """
@@ -189,12 +193,13 @@ def start_stack(catalog_name: str) -> Path:
     stack("up")
     if catalog_name != "smollm2-135m-instruct":
         manage("deploy", catalog_name, "--wait", "120")
-    return Path(json.loads(manage("shell", "-c", _MODEL_PATH.format(catalog_name)))["path"])
+    out = manage("shell", "-c", _MODEL_PATH.format(catalog_name)).strip().splitlines()[-1]
+    return Path(json.loads(out)["path"])
 
 
 _MODEL_PATH = (
     "import json; from apps.catalog.models import CatalogModel; "
-    "print(json.dumps({{'path': str(CatalogModel.objects.get(name='{}').path())}}))"
+    "print(json.dumps({{'path': str(CatalogModel.objects.get(name='{}').path)}}))"
 )
 MODELS_BY_CATALOG = {v[0]: (v[1], v[2]) for v in MODELS.values()}
 
@@ -298,6 +303,14 @@ async def chat(
     }
 
 
+def http_client(timeout: float = 300) -> httpx.AsyncClient:
+    """A client without keep-alive: llama-server's HTTP library closes a connection after a
+    few requests, and a reused one can then fail. Both targets get the same treatment."""
+    return httpx.AsyncClient(
+        timeout=timeout, limits=httpx.Limits(max_connections=64, max_keepalive_connections=0)
+    )
+
+
 def med(values) -> float:
     return statistics.median(values)
 
@@ -316,7 +329,7 @@ def alternate(targets: list[Target], r: int) -> list[Target]:
 
 async def single_stream(targets: list[Target], rounds: int, tokens: int) -> dict:
     rows = {t.name: {"decode": [], "cold_ttft": [], "prompt_tokens": 0} for t in targets}
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with http_client() as client:
         for t in targets:  # warm both
             await chat(client, t, story(0, "warm"), 8)
         for r in range(rounds):
@@ -341,8 +354,7 @@ async def single_stream(targets: list[Target], rounds: int, tokens: int) -> dict
 
 async def concurrent(targets: list[Target], rounds: int, tokens: int, n: int = 8) -> dict:
     rows = {t.name: {"aggregate": [], "ttft": [], "single": []} for t in targets}
-    limits = httpx.Limits(max_connections=64)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+    async with http_client() as client:
         for r in range(rounds):
             for t in alternate(targets, r):
                 one = await chat(client, t, story(9, f"one {r}"), tokens)
@@ -384,7 +396,7 @@ async def conversation(
 
 async def multi_turn(targets: list[Target], rounds: int, turns: int = 6, tokens: int = 48) -> dict:
     rows = {t.name: {"later": [], "first": [], "system_tokens": 0, "cached": []} for t in targets}
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with http_client() as client:
         for r in range(rounds):
             for t in alternate(targets, r):
                 res = await conversation(client, t, f"chat {r}", QUESTIONS[0], turns, tokens)
@@ -422,8 +434,7 @@ async def routing(fleet: Target, key: str, deployment: str, rounds: int) -> dict
     api("POST", f"/api/v1/deployments/{deployment}/scale/", key, json={"replicas": 2})
     wait_replicas(key, 2, deployment)
     rows = {p: {"later": [], "tps": [], "cached": []} for p in ("least_connections", "prefix")}
-    limits = httpx.Limits(max_connections=64)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with http_client(600) as client:
         for r in range(rounds):
             for policy in (
                 ("least_connections", "prefix") if r % 2 == 0 else ("prefix", "least_connections")
@@ -478,8 +489,7 @@ async def failover(fleet: Target, key: str, deployment: str, tokens: int, n: int
     Expected texts are the same requests run uninterrupted on the same deployment first.
     """
     wait_replicas(key, 2, deployment)
-    limits = httpx.Limits(max_connections=64)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+    async with http_client() as client:
         expected = [
             (await chat(client, fleet, story(i, "failover"), tokens))["text"] for i in range(n)
         ]
@@ -541,12 +551,12 @@ async def metric_sum(key: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in resp.text.splitlines() if line.startswith(name))
 
 
-async def main_async(args, model_path: Path, catalog_name: str) -> dict:
+async def compare(args, model_path: Path, catalog_name: str, only) -> dict:
+    """The figures against llama-server, one replica with all cores against it."""
     key = bench_key()
     wait_replicas(key, 1, catalog_name)
     fleet = Target("llamafleet", URL, catalog_name, key)
     server = Target("llama_server", SERVER_URL, catalog_name)
-    only = set(args.only.split(",")) if args.only else None
     result = {
         "model": catalog_name,
         "file": model_path.name,
@@ -573,6 +583,19 @@ async def main_async(args, model_path: Path, catalog_name: str) -> dict:
                 show(name)
     finally:
         ls.stop()
+    return result
+
+
+async def two_replicas(args, catalog_name: str, only) -> dict:
+    """Routing and failover over two replicas of one thread each."""
+    key = bench_key()
+    wait_replicas(key, 1, catalog_name)
+    fleet = Target("llamafleet", URL, catalog_name, key)
+    result = {}
+
+    def show(name: str) -> None:
+        print(json.dumps({name: result[name]}, indent=2), flush=True)
+
     if only is None or "routing" in only:
         result["prefix_routing"] = await routing(fleet, key, catalog_name, 2)
         show("prefix_routing")
@@ -608,9 +631,17 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="leave the bench stack running")
     args = parser.parse_args()
     catalog_name = MODELS[args.model][0]
-    model_path = start_stack(catalog_name)
+    only = set(args.only.split(",")) if args.only else None
+    result = {}
     try:
-        result = asyncio.run(main_async(args, model_path, catalog_name))
+        if only is None or only & {"single_stream", "concurrent_8", "multi_turn_chat"}:
+            model_path = start_stack(catalog_name)
+            result.update(asyncio.run(compare(args, model_path, catalog_name, only)))
+        if only is None or only & {"routing", "failover"}:
+            ENV["LLAMAFLEET_AGENT_THREADS"] = "1"
+            start_stack(catalog_name)
+            result.update(asyncio.run(two_replicas(args, catalog_name, only)))
+            result["two_replica_threads_per_engine"] = 1
     finally:
         if not args.keep:
             stack("down")

@@ -296,8 +296,9 @@ def deployed(transactional_db, smollm2_model, registered_agent):
 
 
 @pytest.fixture
-def two_replicas(transactional_db, smollm2_model, model_store):
-    """One deployment, one replica on each of two real agents (node-a, node-b)."""
+def two_replicas(request, transactional_db, smollm2_model, model_store):
+    """One deployment, one replica on each of two real agents (node-a, node-b); its
+    batching mode is the test's indirect parameter, else the default."""
     from apps.deployments import services
     from apps.deployments.models import Deployment, Replica
     from apps.nodes.services import record_heartbeat
@@ -310,6 +311,7 @@ def two_replicas(transactional_db, smollm2_model, model_store):
             replicas=2,
             context_length=512,
             parallel=4,
+            batching=getattr(request, "param", Deployment.Batching.THROUGHPUT),
             state=Deployment.State.DEPLOYING,
         )
         for a in agents:

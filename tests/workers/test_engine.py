@@ -275,23 +275,36 @@ def test_outbox_sends_the_first_piece_at_once_and_merges_the_rest():
     pipe = Pipe()
     out = Outbox(pipe, interval=60.0)  # nothing waits long enough during this test
     out.send(("token", "a", "Hel", 0, [1], 9))
+    out.tick()
     out.send(("token", "a", "lo", 1, [2], 9))
     out.send(("token", "a", " you", 2, [3, 4], 9))
-    assert pipe == [("token", "a", "Hel", 0, [1], 9)]
     out.tick()
-    assert len(pipe) == 1
+    assert pipe == [("token", "a", "Hel", 0, [1], 9)]
     out.send(("done", "a", "stop", {}, {}))
-    assert pipe[1:] == [("token", "a", "lo you", 1, [2, 3, 4], 9), ("done", "a", "stop", {}, {})]
-    fast = Outbox(pipe := Pipe(), interval=0.0)  # 0: one message per piece
+    out.tick()
+    # The held text and the end leave in one message.
+    assert pipe[1:] == [
+        ("batch", [("token", "a", "lo you", 1, [2, 3, 4], 9), ("done", "a", "stop", {}, {})])
+    ]
+    fast = Outbox(pipe := Pipe(), interval=0.0)  # 0: one piece per token, one send a step
     for i, text in enumerate("abc"):
         fast.send(("token", "b", text, i, [i], 1))
+        fast.tick()
     assert [m[2] for m in pipe] == ["a", "b", "c"]
     slow = Outbox(pipe := Pipe(), interval=0.01)
     slow.send(("token", "c", "x", 0, [1], 1))
+    slow.tick()
     slow.send(("token", "c", "y", 1, [2], 1))
+    slow.tick()
     time.sleep(0.02)
     slow.tick()  # waited long enough: sent without a new piece arriving
     assert [m[2:4] for m in pipe] == [("x", 0), ("y", 1)]
+    # Two streams' first pieces of one step: one message.
+    both = Outbox(pipe := Pipe(), interval=60.0)
+    both.send(("token", "d", "1", 0, [1], 1))
+    both.send(("token", "e", "2", 0, [2], 1))
+    both.tick()
+    assert pipe == [("batch", [("token", "d", "1", 0, [1], 1), ("token", "e", "2", 0, [2], 1)])]
 
 
 def test_embeddings_equal_llama_in_process(engine, smollm2_path):

@@ -9,7 +9,8 @@ Messages are tuples. Agent -> engine: ("generate", id, payload), ("cancel", id),
 ("ready", info), ("load_error", code, message),
 ("token", id, text, index, token_ids, prompt_tokens), ("done", id, reason, usage, timings),
 ("error", id, code, message), ("tokens", id, tokens, context_length),
-("embeddings", id, vectors, n_tokens).
+("embeddings", id, vectors, n_tokens), and ("batch", [events]) carrying the token, done and
+error events of one decode step together.
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ class Outbox:
     `interval` seconds have passed since its last send, so fast decoding costs one message
     per few tokens all along the chain (pipe, gRPC, SSE) instead of one per token; a slow
     one is not delayed at all. Done and error events flush what is held first.
+
+    Events go out together once per decode step (`tick`): with many streams the agent then
+    wakes once a step, not once a stream, and every wake-up on a machine whose cores the
+    decode threads fill stalls the step that it preempts.
     """
 
     def __init__(self, conn, interval: float):
@@ -93,6 +98,7 @@ class Outbox:
         self.held: dict[str, list] = {}  # id -> [text, token_ids, prompt_tokens]
         self.last: dict[str, float] = {}  # id -> time of its last piece
         self.index: dict[str, int] = {}  # id -> index of its next piece
+        self.pending: list[tuple] = []  # events of this step, sent by tick()
 
     def send(self, event: tuple) -> None:
         kind, rid = event[0], event[1]
@@ -108,13 +114,19 @@ class Outbox:
             self._flush(rid, 0.0)
             self.last.pop(rid, None)
             self.index.pop(rid, None)
-        self.conn.send(event)
+        self.pending.append(event)
 
     def tick(self) -> None:
-        """Send what has waited long enough (called after every decode step)."""
+        """Send this step's events, with held pieces that waited long enough (called after
+        every decode step and after reading the agent's messages)."""
         now = time.monotonic()
         for rid in [r for r in self.held if now - self.last.get(r, 0.0) >= self.interval]:
             self._flush(rid, now)
+        if len(self.pending) == 1:
+            self.conn.send(self.pending[0])
+        elif self.pending:
+            self.conn.send(("batch", self.pending))
+        self.pending = []
 
     def _flush(self, rid: str, now: float) -> None:
         held = self.held.pop(rid, None)
@@ -123,7 +135,7 @@ class Outbox:
         index = self.index.get(rid, 0)
         self.index[rid] = index + 1
         self.last[rid] = now
-        self.conn.send(("token", rid, held[0], index, held[1], held[2]))
+        self.pending.append(("token", rid, held[0], index, held[1], held[2]))
 
 
 def child_main(conn, config: EngineConfig) -> None:
@@ -223,6 +235,7 @@ def child_main(conn, config: EngineConfig) -> None:
                 running = False
                 break
             timeout = 0
+        out.tick()  # errors and cancellations of the messages just read
         if running and not engine.idle():
             for event in engine.step():
                 out.send(event)
@@ -330,7 +343,10 @@ class EngineProcess:
 
     def _dispatch(self, msg: tuple) -> None:
         kind = msg[0]
-        if kind == "ready":
+        if kind == "batch":
+            for event in msg[1]:
+                self._dispatch(event)
+        elif kind == "ready":
             if not self._ready.done():
                 self._ready.set_result(msg[1])
         elif kind == "load_error":

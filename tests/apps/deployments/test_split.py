@@ -188,9 +188,12 @@ def split_and_whole(head_and_stage, celery_worker_thread):
     from apps.deployments import services
     from apps.deployments.models import Deployment
 
-    split = deploy()
+    # Invariant batching: the moved stream must have the solo text. Least connections: the
+    # test needs requests spread over both (prefix routing would keep one prompt on one).
+    same = {"batching": "invariant", "routing_policy": "least_connections"}
+    split = deploy(**same)
     whole = services.do_create(
-        "smollm2-whole", SMOLLM2, 1, 512, 2, split_mode="none", pin_nodes=["stage"]
+        "smollm2-whole", SMOLLM2, 1, 512, 2, split_mode="none", pin_nodes=["stage"], **same
     )
     for d in (split, whole):
         wait_for(lambda d=d: settled(d), 180)

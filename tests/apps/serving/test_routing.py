@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
 import time
 
@@ -35,9 +37,11 @@ def metric(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+@pytest.mark.parametrize("two_replicas", ["invariant"], indirect=True)
 async def test_a_stream_moves_to_another_replica_when_its_replica_dies(
     two_replicas, alice_key, reference_text
 ):
+    """Batch-invariant mode: the moved stream has the text of an uninterrupted run."""
     _, agents = two_replicas
     migrated_before = metric("llamafleet_migrations_total", model=SMOLLM2)
     resp = await post(
@@ -66,6 +70,33 @@ async def test_a_stream_moves_to_another_replica_when_its_replica_dies(
     assert other.agent.service.metrics.tokens.labels(other.replica_id, SMOLLM2)._value.get() > 0
 
 
+async def test_a_moved_stream_loses_and_repeats_nothing_in_throughput_mode(
+    two_replicas, reference_llama
+):
+    """Default mode: the new replica continues from the exact tokens already sent. The
+    engine sends each piece's token ids; the client's text must be exactly their text."""
+    from apps.serving.services import GenerationParams, generate
+
+    _, agents = two_replicas
+    params = GenerationParams(model=SMOLLM2, messages=STORY, max_tokens=120, temperature=0)
+    events = generate(params)
+    gen = await anext(events)
+    serving = agents[gen.target.replica_id]
+    text, pieces = [], 0
+    async for ev in events:
+        if hasattr(ev, "text"):
+            text.append(ev.text)
+            pieces += 1
+            if pieces == 12:
+                os.kill(serving.engine_pid(serving.replica_id), signal.SIGKILL)
+        else:
+            finished = ev
+    assert finished.migrations == 1 and finished.completion_tokens == 120
+    assert len(gen.token_ids) == 120
+    expected = reference_llama.detokenize(gen.token_ids).decode("utf-8", errors="replace")
+    assert "".join(text) == expected
+
+
 async def test_a_stream_ends_with_an_error_event_when_no_replica_can_continue(
     two_replicas, alice_key, settings
 ):
@@ -81,9 +112,11 @@ async def test_a_stream_ends_with_an_error_event_when_no_replica_can_continue(
 
 async def test_least_connections_sees_streams_of_other_processes(two_replicas, alice_key):
     """In-flight counts live in Redis: a replica busy through another process is avoided."""
+    from apps.deployments.models import Deployment
     from apps.serving import balancer
 
-    _, agents = two_replicas
+    d, agents = two_replicas
+    await Deployment.objects.filter(pk=d.pk).aupdate(routing_policy="least_connections")
     busy, idle = list(agents)
     client = balancer._redis()
     key = balancer._key(busy)
@@ -285,3 +318,53 @@ async def test_a_generation_past_the_request_timeout_ends_with_a_timeout_error(
     settings.REQUEST_TIMEOUT_SECONDS = 600
     ok = await post(alice_key, {"model": SMOLLM2, "messages": CHAT, "max_tokens": 2})
     assert ok.status_code == 200
+
+
+async def test_a_conversation_follows_its_cached_prefix(two_replicas, alice_key):
+    """Prefix routing (the default for chat models): each turn of a conversation goes to
+    the replica that served the turn before, and reuses its KV cache there."""
+    from apps.serving import balancer
+
+    d, agents = two_replicas
+    assert d.routing_policy == "prefix"
+    for c in range(4):  # several conversations, so both replicas get some
+        messages = [
+            {"role": "system", "content": f"You are assistant number {c}. " * 8},
+            {"role": "user", "content": "Name a colour."},
+        ]
+        body = {"model": SMOLLM2, "messages": messages, "max_tokens": 8, "temperature": 0}
+        first = await post(alice_key, body)
+        replica = first["X-LlamaFleet-Replica"]
+        answer = json.loads(first.content)["choices"][0]["message"]["content"]
+        for turn in range(2):
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": f"And another one ({turn})?"},
+            ]
+            resp = await post(alice_key, body | {"messages": messages})
+            data = json.loads(resp.content)
+            assert resp["X-LlamaFleet-Replica"] == replica
+            usage = data["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] // 2
+            answer = data["choices"][0]["message"]["content"]
+    # Bounded load: when the holder is busy beyond 1.25x the mean, the least loaded replica
+    # serves instead.
+    client = balancer._redis()
+    key = balancer._key(replica)
+    await client.zadd(key, {f"busy-{i}": time.time() for i in range(6)})
+    try:
+        resp = await post(alice_key, body | {"messages": messages})
+        assert resp["X-LlamaFleet-Replica"] != replica
+    finally:
+        await client.delete(key)
+
+
+async def test_cache_prompt_false_evaluates_the_whole_prompt(two_replicas, alice_key):
+    body = {"model": SMOLLM2, "messages": CHAT, "max_tokens": 4, "temperature": 0}
+    await post(alice_key, body)
+    warm = json.loads((await post(alice_key, body)).content)["usage"]
+    cold = json.loads((await post(alice_key, body | {"cache_prompt": False})).content)["usage"]
+    assert warm["prompt_tokens_details"]["cached_tokens"] == warm["prompt_tokens"] - 1
+    assert cold["prompt_tokens_details"]["cached_tokens"] == 0
+    bad = await post(alice_key, body | {"cache_prompt": "no"})
+    assert bad.status_code == 400 and json.loads(bad.content)["error"]["param"] == "cache_prompt"

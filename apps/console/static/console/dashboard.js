@@ -97,7 +97,7 @@
         el("td", {}, d.replica_set.map((r) => el("div", {}, `${r.node || "?"}: ${r.state}`)), scale,
           action("Scale", () => api("POST", `/api/v1/deployments/${d.name}/scale/`, { replicas: Number(scale.value) }).then(() => `${d.name}: scaling to ${scale.value}`))),
         el("td", {}, `${d.parallel} × ${d.context_length}`),
-        el("td", {}, d.routing_policy),
+        el("td", {}, `${d.routing_policy}, ${d.batching}`),
         el("td", {}, figures),
         el("td", {}, action("Undeploy", () => api("POST", `/api/v1/deployments/${d.name}/undeploy/`).then(() => `${d.name}: undeploying`), "danger")),
       );
