@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -254,9 +255,15 @@ class Target:
 
 
 async def chat(
-    client: httpx.AsyncClient, t: Target, messages: list[dict], max_tokens: int, **extra
+    client: httpx.AsyncClient,
+    t: Target,
+    messages: list[dict],
+    max_tokens: int,
+    progress: list | None = None,
+    **extra,
 ) -> dict:
-    """One streamed chat completion: TTFT, decode tokens/s and counts from `usage`."""
+    """One streamed chat completion: TTFT, decode tokens/s and counts from `usage`
+    (progress: a one-item list counting the text chunks received)."""
     body = {
         "model": t.model,
         "messages": messages,
@@ -286,6 +293,8 @@ async def chat(
             if text:
                 first = first or time.perf_counter()
                 pieces.append(text)
+                if progress is not None:
+                    progress[0] += 1
     end = time.perf_counter()
     if usage is None or first is None:
         raise RuntimeError(f"{t.name}: no usage or no text in the stream")
@@ -381,9 +390,11 @@ async def concurrent(targets: list[Target], rounds: int, tokens: int, n: int = 8
 
 
 async def conversation(
-    client, t: Target, session: str, first: str, turns: int, max_tokens: int
+    client, t: Target, session: str, first: str, turns: int, max_tokens: int, think=None
 ) -> list[dict]:
-    """A chat that resends its whole history each turn; one result per turn."""
+    """A chat that resends its whole history each turn; one result per turn. think: a
+    random.Random whose draws pause the user between turns (0.2-1.5 s), so that the turns
+    of many conversations interleave as real users' do."""
     messages = [{"role": "system", "content": system_prompt(session)}]
     out = []
     for k in range(turns):
@@ -391,6 +402,8 @@ async def conversation(
         res = await chat(client, t, messages, max_tokens)
         messages.append({"role": "assistant", "content": res["text"]})
         out.append(res)
+        if think is not None:
+            await asyncio.sleep(think.uniform(0.2, 1.5))
     return out
 
 
@@ -430,37 +443,51 @@ def set_policy(deployment: str, policy: str) -> None:
 
 
 async def routing(fleet: Target, key: str, deployment: str, rounds: int) -> dict:
-    """16 conversations over two replicas, all at once, under each policy in turn."""
+    """16 conversations over two replicas, all at once, users pausing between turns, under
+    each policy in turn (the same pauses for both): with a system prompt of their own each
+    (16 applications), and with one shared by all."""
     api("POST", f"/api/v1/deployments/{deployment}/scale/", key, json={"replicas": 2})
     wait_replicas(key, 2, deployment)
-    rows = {p: {"later": [], "tps": [], "cached": []} for p in ("least_connections", "prefix")}
-    async with http_client(600) as client:
-        for r in range(rounds):
-            for policy in (
-                ("least_connections", "prefix") if r % 2 == 0 else ("prefix", "least_connections")
-            ):
-                set_policy(deployment, policy)
-                t0 = time.perf_counter()
-                convs = await asyncio.gather(
-                    *(
-                        conversation(
-                            client, fleet, "shared", f"({policy} {r}.{c}) " + QUESTIONS[0], 5, 32
-                        )
-                        for c in range(16)
-                    )
-                )
-                wall = time.perf_counter() - t0
-                rows[policy]["tps"].append(sum(x["tokens"] for c in convs for x in c) / wall)
-                rows[policy]["later"].extend(x["ttft"] for c in convs for x in c[1:])
-                rows[policy]["cached"].extend(x["cached_tokens"] for c in convs for x in c[1:])
     out = {"rounds": rounds, "conversations": 16, "turns": 5, "replicas": 2}
-    for policy, v in rows.items():
-        out[policy] = {
-            "later_turns_median_ttft_ms": 1000 * med(v["later"]),
-            "aggregate_tokens_per_s": med(v["tps"]),
-            "later_turns_median_cached_tokens": med(v["cached"]),
-        }
-    out["prefix_over_least_connections"] = ratios(out["prefix"], out["least_connections"])
+    policies = ("least_connections", "prefix")
+    async with http_client(600) as client:
+        for workload in ("distinct_system_prompts", "shared_system_prompt"):
+            rows = {p: {"later": [], "tps": [], "cached": []} for p in policies}
+            for r in range(rounds):
+                for policy in policies if r % 2 == 0 else policies[::-1]:
+                    set_policy(deployment, policy)
+                    t0 = time.perf_counter()
+                    convs = await asyncio.gather(
+                        *(
+                            conversation(
+                                client,
+                                fleet,
+                                "shared" if workload.startswith("shared") else f"{r}.{c}",
+                                f"({policy} {r}.{c}) " + QUESTIONS[0],
+                                5,
+                                32,
+                                random.Random(f"{r}.{c}"),
+                            )
+                            for c in range(16)
+                        )
+                    )
+                    wall = time.perf_counter() - t0
+                    turns = [x for c in convs for x in c]
+                    # Over the wall time, users' pauses included: they are the same for both
+                    # policies (seeded per conversation), so the ratio compares the servers.
+                    rows[policy]["tps"].append(sum(x["tokens"] for x in turns) / wall)
+                    rows[policy]["later"].extend(x["ttft"] for c in convs for x in c[1:])
+                    rows[policy]["cached"].extend(x["cached_tokens"] for c in convs for x in c[1:])
+            res = {}
+            for policy, v in rows.items():
+                res[policy] = {
+                    "later_turns_median_ttft_ms": 1000 * med(v["later"]),
+                    "aggregate_tokens_per_s": med(v["tps"]),
+                    "later_turns_median_cached_tokens": med(v["cached"]),
+                }
+            res["prefix_over_least_connections"] = ratios(res["prefix"], res["least_connections"])
+            out[workload] = res
+            print(json.dumps({workload: res}, indent=2), flush=True)
     return out
 
 
@@ -494,19 +521,17 @@ async def failover(fleet: Target, key: str, deployment: str, tokens: int, n: int
             (await chat(client, fleet, story(i, "failover"), tokens))["text"] for i in range(n)
         ]
         victim = reported_replica(key, deployment)
-        t0 = time.perf_counter()
-        progress = [0] * n
-
-        async def watched(i: int) -> dict:
-            res = await chat(client, fleet, story(i, "failover"), tokens)
-            progress[i] = 1
-            return res
-
-        tasks = [asyncio.create_task(watched(i)) for i in range(n)]
-        await asyncio.sleep(0.2)
         before = await metric_sum(key, "llamafleet_migrations_total")
-        # Let every slot of both replicas hold a stream with tokens sent, then kill one.
-        await asyncio.sleep(1.5)
+        t0 = time.perf_counter()
+        progress = [[0] for _ in range(n)]
+        tasks = [
+            asyncio.create_task(chat(client, fleet, story(i, "failover"), tokens, progress[i]))
+            for i in range(n)
+        ]
+        # Once most slots of both replicas hold a stream with text sent, kill one engine.
+        end = time.monotonic() + 120
+        while sum(p[0] >= 2 for p in progress) < 12 and time.monotonic() < end:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
         os.kill(victim["pid"], signal.SIGKILL)
         killed_at = time.perf_counter() - t0
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -647,8 +672,12 @@ def main() -> None:
             stack("down")
     suffix = "" if args.model == "smollm2" else f"-{args.model}"
     out = ROOT / f"bench/results/serving{suffix}.json"
-    if args.only:
-        out = out.with_name(out.stem + "-partial.json")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    for part in result.values():
+        if isinstance(part, dict):
+            part["measured_at"] = stamp
+    if args.only and out.exists():  # a part measured again replaces its old figures
+        result = json.loads(out.read_text()) | result
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -9,8 +9,9 @@ chain of blocks (each chat message, or 256-character pieces of a raw prompt) and
 prefix has a hash; Redis remembers which replica last served each prefix hash. The replica
 holding the longest known prefix wins; a prompt nobody has seen goes by rendezvous hashing
 of its first block, so one system prompt keeps to one replica. Load is bounded: a replica
-with more than LOAD_FACTOR times the mean in-flight count (plus one) is passed over for the
-least loaded one.
+that would hold more than LOAD_FACTOR times the mean in-flight count, or more than its slots
+while another has one free, is passed over for the least loaded one (a queued request waits
+for a whole generation, which costs more than evaluating a prefix again).
 
 Each policy costs one Redis round trip before the first token; nothing on the token path
 waits for Redis. When Redis is unreachable, routing falls back to this process's own
@@ -120,8 +121,9 @@ async def order(targets: list, policy: str, model: str, hashes: list[str] = ()) 
     # Bounded load: with this request, no replica may hold more than LOAD_FACTOR times the
     # mean (rounded up); the least loaded replica is always within bounds.
     bound = math.ceil(LOAD_FACTOR * (sum(load.values()) + 1) / len(targets))
-    mine = load[preferred.replica_id]
-    if mine + 1 > bound and mine > min(load.values()):
+    mine, least = load[preferred.replica_id], min(load.values())
+    slots = preferred.slots or 1 << 30
+    if mine > least and (mine + 1 > bound or (mine >= slots and least < slots)):
         metrics.PREFIX_ROUTING.labels("overloaded").inc()
         return rotated
     metrics.PREFIX_ROUTING.labels("hit" if hit else "hashed").inc()
@@ -145,10 +147,11 @@ def remember(deployment: str, hashes: list[str], replica_id: str) -> None:
     _spawn(_remember())
 
 
-def _spawn(coro) -> None:
+def _spawn(coro) -> asyncio.Task:
     task = asyncio.get_running_loop().create_task(coro)
     _background.add(task)
     task.add_done_callback(_background.discard)
+    return task
 
 
 async def in_flight(replica_ids: list[str]) -> dict[str, int]:
@@ -160,21 +163,36 @@ async def in_flight(replica_ids: list[str]) -> dict[str, int]:
     return dict(zip(replica_ids, await pipe.execute(), strict=True))
 
 
-async def acquire(replica_id: str, request_id: str) -> None:
-    """Count a generation against a replica."""
-    try:
-        pipe = _redis().pipeline(transaction=False)
-        pipe.zadd(_key(replica_id), {request_id: time.time()})
-        pipe.expire(_key(replica_id), int(settings.REQUEST_TIMEOUT_SECONDS) + 60)
-        await pipe.execute()
-    except (RedisError, OSError) as exc:
-        log.warning("could not count a request in Redis: %s", exc)
+#: Counts being written, so that a release never runs before its acquire.
+_acquiring: dict[tuple[str, str], asyncio.Task] = {}
+
+
+def acquire(replica_id: str, request_id: str) -> None:
+    """Count a generation against a replica, in the background: a slow Redis must not
+    delay the first token (the count is a routing hint, not a lock)."""
+
+    async def _acquire():
+        try:
+            pipe = _redis().pipeline(transaction=False)
+            pipe.zadd(_key(replica_id), {request_id: time.time()})
+            pipe.expire(_key(replica_id), int(settings.REQUEST_TIMEOUT_SECONDS) + 60)
+            await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("could not count a request in Redis: %s", exc)
+
+    key = (replica_id, request_id)
+    task = _spawn(_acquire())
+    _acquiring[key] = task
+    task.add_done_callback(lambda _t: _acquiring.pop(key, None))
 
 
 def release(replica_id: str, request_id: str) -> None:
     """Stop counting it; runs in the background so that a cancelled stream still releases."""
+    pending = _acquiring.get((replica_id, request_id))
 
     async def _release():
+        if pending is not None:
+            await asyncio.wait([pending])  # counted before it is uncounted
         try:
             await _redis().zrem(_key(replica_id), request_id)
         except (RedisError, OSError) as exc:

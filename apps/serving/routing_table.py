@@ -22,8 +22,8 @@ _cache: dict[str, tuple[float, list[tuple]]] = {}
 
 
 async def ready_rows(model_name: str) -> list[tuple]:
-    """(replica id, node name, node address, deployment name, routing policy) per ready
-    replica on a ready, open node serving the model, ordered by replica id."""
+    """(replica id, node name, node address, deployment name, routing policy, slots) per
+    ready replica on a ready, open node serving the model, ordered by replica id."""
     hit = _cache.get(model_name)
     now = time.monotonic()
     if hit is not None and now - hit[0] < settings.ROUTING_CACHE_SECONDS:
@@ -32,8 +32,8 @@ async def ready_rows(model_name: str) -> list[tuple]:
     from apps.nodes.models import Node
 
     rows = [
-        (str(pk), node, address, dep, policy)
-        async for pk, node, address, dep, policy in Replica.objects.filter(
+        (str(pk), node, address, dep, policy, slots)
+        async for pk, node, address, dep, policy, slots in Replica.objects.filter(
             state=Replica.State.READY,
             node__state=Node.State.READY,
             node__draining=False,
@@ -42,7 +42,12 @@ async def ready_rows(model_name: str) -> list[tuple]:
         )
         .order_by("pk")
         .values_list(
-            "pk", "node__name", "node__address", "deployment__name", "deployment__routing_policy"
+            "pk",
+            "node__name",
+            "node__address",
+            "deployment__name",
+            "deployment__routing_policy",
+            "deployment__parallel",
         )
     ]
     if rows:

@@ -1,7 +1,8 @@
 """Routing a generation to a replica and streaming it back; shared by HTTP and websockets.
 
-The hot path: one indexed query for ready replicas, one Redis round trip to pick one, then a
-gRPC stream straight from this process to the agent. Celery is never on it.
+The hot path: the cached table of ready replicas (no query), one Redis round trip to pick
+one, then a gRPC stream straight from this process to the agent. Celery is never on it, and
+nothing after the first token waits for Redis.
 
 A replica that fails before the first token is skipped for the next one. One that fails
 after tokens were sent is replaced mid-stream: the prompt plus the tokens generated so far
@@ -124,6 +125,7 @@ class Target:
     address: str
     deployment: str
     policy: str = balancer.LEAST_CONNECTIONS
+    slots: int = 0  # sequences the replica decodes at once (0: unknown)
 
 
 @dataclass
@@ -241,7 +243,7 @@ class Generation:
         for target in targets[:MAX_ATTEMPTS]:
             self._tried.add(target.replica_id)
             key = f"{self.id}:{len(self._tried)}"
-            await balancer.acquire(target.replica_id, key)
+            balancer.acquire(target.replica_id, key)
             call = agent_client.aio_stub(target.address).RunInference(
                 self.params.to_request(target.replica_id, self.id, resume),
                 metadata=agent_client.metadata(),
@@ -433,7 +435,7 @@ async def _embed(model: str, texts: list[str]) -> tuple[list[list[float]], int, 
     last: ServingError | None = None
     for target in targets[:MAX_ATTEMPTS]:
         key = f"embed:{uuid.uuid4().hex}"
-        await balancer.acquire(target.replica_id, key)
+        balancer.acquire(target.replica_id, key)
         try:
             reply = await agent_client.aio_stub(target.address).Embed(
                 pb.EmbedRequest(replica_id=target.replica_id, input=texts),
