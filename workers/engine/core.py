@@ -547,10 +547,9 @@ class BatchEngine:
 
     def _decode(self, n: int, events: list[tuple]) -> bool:
         self.batch.n_tokens = n
+        # Each slot's stream holds at most its own context (a reused slot's tail is cut
+        # first), so a prompt cache never takes room a running sequence needs.
         rc = L.llama_decode(self.ctx, self.batch)
-        if rc == 1 and self._drop_idle_caches():
-            # No room in the KV cache: idle slots' cached prompts give theirs back.
-            rc = L.llama_decode(self.ctx, self.batch)
         if rc != 0:
             # Fail what is running rather than the whole engine.
             events.extend(
@@ -559,16 +558,6 @@ class BatchEngine:
             )
             return False
         return True
-
-    def _drop_idle_caches(self) -> bool:
-        """Free the KV cells that idle slots keep for their prompt cache; True if any."""
-        dropped = False
-        for slot in self.slots:
-            if not slot.busy and slot.cached:
-                L.llama_memory_seq_rm(self.memory, slot.seq_id, -1, -1)
-                slot.cached = []
-                dropped = True
-        return dropped
 
     def _sample(self, events: list[tuple]) -> None:
         """Sample every sequence whose logits the last decode produced."""

@@ -60,6 +60,9 @@ def main(argv: list[str]) -> dict:
         n_gpu_layers=args.n_gpu_layers,
         split_mode=args.split_mode,
         tensor_split=args.tensor_split or None,
+        # One numeric path (flash attention off) for one node and layer splits alike, so
+        # their figures compare; tensor parallel turns it on, as it must.
+        batch_invariant=True,
     )
     with open(args.text_file, encoding="utf-8") as f:
         n, nll = mean_nll(engine, f.read())
