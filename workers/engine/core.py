@@ -1,10 +1,9 @@
 """Continuous batching on llama.cpp's batch API, with a prompt cache per slot.
 
 One llama context holds `parallel` sequences (slots). New requests join between steps;
-finished or cancelled ones leave without stalling the rest. Two modes:
-
-Each slot has a KV stream of its own (as llama-server has them: attention then reads only
-the sequence's own cells; one cache shared by all slots was slower at 8 streams here).
+finished or cancelled ones leave without stalling the rest. Each slot has a KV stream of its
+own (as llama-server has them: attention then reads only the sequence's own cells; one cache
+shared by all slots was slower at 8 streams here). Two modes:
 
 - throughput (the default, what llama-server does): each step is one llama_decode carrying
   the next token of every decoding sequence plus prompt chunks of new ones, up to N_BATCH
@@ -189,9 +188,6 @@ class BatchEngine:
             # A layer split keeps it off: its memory estimate (compute buffers of heads and
             # stages) and its measured speed were made so.
             cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-            # Sliding-window layers would otherwise drop the cells a cached prefix needs, and
-            # every later turn of a chat would be evaluated again from the start.
-            cparams.swa_full = True
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)
