@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "proto"))
 
-import grpc  # noqa: E402
 from llamafleet.agent.v1 import agent_pb2 as pb  # noqa: E402
 from llamafleet.agent.v1 import agent_pb2_grpc  # noqa: E402
 
 from tests import hosts as H  # noqa: E402
+from workers import tls  # noqa: E402
 
 SMOLLM2_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
@@ -82,10 +82,13 @@ def main() -> None:
     hosts = H.Hosts(3).up()
     results: dict[str, dict] = {}
     try:
-        addresses = [H.start_agent(hosts, i, store, store, args.threads) for i in range(3)]
+        files = H.pki(store / "pki", hosts)
+        addresses = [
+            H.start_agent(hosts, i, store, store, args.threads, files=files) for i in range(3)
+        ]
         for a in addresses:
-            H.wait_agent(a, token)
-        stubs = [agent_pb2_grpc.NodeAgentStub(grpc.insecure_channel(a)) for a in addresses]
+            H.wait_agent(a, token, files=files)
+        stubs = [agent_pb2_grpc.NodeAgentStub(tls.channel(a, files)) for a in addresses]
         for phase, base in (("veth", 50200), ("shaped", 50300)):
             if phase == "shaped":
                 hosts.shape("1gbit")

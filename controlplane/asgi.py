@@ -11,6 +11,9 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
 from apps.accounts.websocket import ApiKeyOrSessionAuthMiddleware  # noqa: E402
 from apps.serving.routing import websocket_urlpatterns  # noqa: E402
+from controlplane import logs  # noqa: E402
+
+logs.install()  # uvicorn configured its handlers before Django: mask secrets in them too
 
 application = ProtocolTypeRouter(
     {

@@ -3,12 +3,22 @@
 import os
 
 from celery import Celery
+from celery.signals import after_setup_logger, after_setup_task_logger
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
 app = Celery("llamafleet")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _redact_logs(**kwargs):
+    """Celery sets up its own handlers: mask secrets in them too."""
+    from controlplane import logs
+
+    logs.install()
 
 
 def every(seconds: float, task_name: str, name: str) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from workers.tls import TLSFiles
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 env = environ.Env()
 VAR_DIR = Path(env.str("LLAMAFLEET_VAR_DIR", default=str(BASE_DIR / "var")))
@@ -28,8 +30,30 @@ DEBUG = env.bool("LLAMAFLEET_DEBUG", default=False)
 SECRET_KEY = _required("LLAMAFLEET_SECRET_KEY")
 #: Shared secret of agents and the control plane, for heartbeats, downloads and gRPC.
 NODE_TOKEN = _required("LLAMAFLEET_NODE_TOKEN")
+#: Mutual TLS to agents under the cluster CA (LLAMAFLEET_TLS_CA/_CERT/_KEY); None: plaintext,
+#: and only to agents on loopback.
+AGENT_TLS = TLSFiles.from_env()
+#: Read-only token for Prometheus: /metrics of the control plane and of agents, nothing else.
+METRICS_TOKEN = env.str("LLAMAFLEET_METRICS_TOKEN", default="")
 ALLOWED_HOSTS = env.list("LLAMAFLEET_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env.list("LLAMAFLEET_CSRF_TRUSTED_ORIGINS", default=[])
+
+# HTTPS. `make run` serves plain HTTP on loopback; behind a TLS proxy set LLAMAFLEET_HTTPS=true
+# (secure cookies, HSTS, redirect) and LLAMAFLEET_TRUST_PROXY=true if the proxy sets
+# X-Forwarded-Proto (only then: a client could send that header itself).
+HTTPS = env.bool("LLAMAFLEET_HTTPS", default=False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = HTTPS
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = CSRF_COOKIE_SAMESITE = "Lax"
+SECURE_HSTS_SECONDS = env.int("LLAMAFLEET_HSTS_SECONDS", default=31536000 if HTTPS else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("LLAMAFLEET_HSTS_SUBDOMAINS", default=False)
+SECURE_SSL_REDIRECT = env.bool("LLAMAFLEET_SSL_REDIRECT", default=HTTPS)
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]  # probes speak plain HTTP inside the cluster
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+if env.bool("LLAMAFLEET_TRUST_PROXY", default=False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    USE_X_FORWARDED_HOST = True
 
 DATABASES = {
     "default": env.db_url("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'llamafleet.sqlite3'}")
@@ -84,6 +108,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "controlplane.middleware.RequestLimitsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",  # the console's and the admin's files
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -93,6 +118,9 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+
+#: Largest request body (bytes); larger ones get 413. Prompts up to a long context fit easily.
+DATA_UPLOAD_MAX_MEMORY_SIZE = env.int("LLAMAFLEET_MAX_BODY_BYTES", default=8 * 1024 * 1024)
 
 ROOT_URLCONF = "controlplane.urls"
 ASGI_APPLICATION = "controlplane.asgi.application"
@@ -132,10 +160,12 @@ REST_FRAMEWORK = {
         "apps.accounts.authentication.ApiKeyAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    # Every view names its role (apps/accounts/permissions.py); one that does not is closed.
+    "DEFAULT_PERMISSION_CLASSES": ["apps.accounts.permissions.Undeclared"],
+    "DEFAULT_PARSER_CLASSES": ["controlplane.parsers.StrictJSONParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "controlplane.errors.exception_handler",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "controlplane.pagination.BoundedLimitOffsetPagination",
     "PAGE_SIZE": 100,
 }
 SPECTACULAR_SETTINGS = {
@@ -143,7 +173,12 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Nodes, models, deployments and OpenAI-compatible inference.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
-    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
+    "OAS_VERSION": "3.1.0",  # JSON Schema 2020-12, as pydantic writes the /v1 bodies
+    "SERVE_PERMISSIONS": ["apps.accounts.permissions.IsApplication"],
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "apps.serving.openapi.add_openai_endpoints",
+    ],
 }
 
 CHANNEL_LAYERS = {
@@ -203,6 +238,13 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {"redact": {"()": "controlplane.logs.RedactSecrets"}},
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "filters": ["redact"],
+        }
+    },
     "root": {"handlers": ["console"], "level": env.str("LLAMAFLEET_LOG_LEVEL", default="INFO")},
 }

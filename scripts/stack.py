@@ -56,19 +56,38 @@ class Stack:
         for key, make in (
             ("LLAMAFLEET_SECRET_KEY", lambda: secrets.token_urlsafe(48)),
             ("LLAMAFLEET_NODE_TOKEN", lambda: secrets.token_urlsafe(32)),
+            ("LLAMAFLEET_METRICS_TOKEN", lambda: secrets.token_urlsafe(32)),
             ("LLAMAFLEET_BOOTSTRAP_KEY", lambda: "lf-" + secrets.token_urlsafe(32)),
         ):
             if os.environ.get(key):
                 saved[key] = os.environ[key]
             saved.setdefault(key, make())
-        env_file.write_text("".join(f"{k}={v}\n" for k, v in sorted(saved.items())))
-        env_file.chmod(0o600)
-        env = dict(os.environ) | saved
+        # Created 0600 from the start: no moment where another user could read the secrets.
+        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{k}={v}\n" for k, v in sorted(saved.items())))
+        env = dict(os.environ) | saved | self._local_pki()
         env.setdefault("LLAMAFLEET_VAR_DIR", str(self.var))
         env.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0")
         env["LLAMAFLEET_PUBLIC_URL"] = f"http://127.0.0.1:{self.port}"
         env["PYTHONUNBUFFERED"] = "1"
         return env
+
+    def _local_pki(self) -> dict[str, str]:
+        """A cluster CA in var/pki and one certificate (127.0.0.1, localhost) for the control
+        plane and the agent: gRPC between them is mutual TLS, as on a real cluster."""
+        from workers import tls
+
+        pki = self.var / "pki"
+        tls.make_ca(pki)
+        if not (pki / "local.pem").exists():
+            tls.issue(pki, "local", ["127.0.0.1", "localhost", "::1"])
+        return {
+            "LLAMAFLEET_TLS_CA": str(pki / "ca.pem"),
+            "LLAMAFLEET_TLS_CERT": str(pki / "local.pem"),
+            "LLAMAFLEET_TLS_KEY": str(pki / "local-key.pem"),
+        }
 
     @property
     def url(self) -> str:

@@ -118,10 +118,13 @@ def settings_store(settings, model_store):
     return model_store
 
 
+METRICS_TOKEN = "test-metrics-token"
+
+
 class RunningAgent:
     """A real node agent serving gRPC on a real socket, in a thread with its own loop."""
 
-    def __init__(self, store: Path, name: str = "node-a", metrics_listen: str = ""):
+    def __init__(self, store: Path, name: str = "node-a", metrics_listen: str = "", tls_files=None):
         import threading
 
         from workers.agent.server import Agent, AgentSettings
@@ -138,6 +141,8 @@ class RunningAgent:
             models_dir=str(store),
             threads=2,
             metrics_listen=metrics_listen,
+            metrics_token=METRICS_TOKEN,
+            tls=tls_files,
         )
 
         async def make():  # grpc.aio objects belong to the loop that creates them
@@ -198,14 +203,41 @@ def alice_key(alice) -> str:
     return create_key("alice's app", owner=alice)[1]
 
 
-@pytest.fixture
-def api(alice_key):
-    """A DRF client authenticated with alice's API key."""
+def key_client(raw: str | None):
+    """A DRF client that sends the raw key as Bearer (none when raw is None)."""
     from rest_framework.test import APIClient
 
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {alice_key}")
+    if raw:
+        client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
     return client
+
+
+@pytest.fixture
+def api(alice_key):
+    """A DRF client with alice's API key: an application's rights."""
+    return key_client(alice_key)
+
+
+@pytest.fixture
+def olga(db, django_user_model):
+    """An operator (staff, not the admin)."""
+    return django_user_model.objects.create_user(
+        "olga", password="olga-password-123", is_staff=True
+    )
+
+
+@pytest.fixture
+def olga_key(olga) -> str:
+    from apps.accounts.services import create_key
+
+    return create_key("olga's console", owner=olga)[1]
+
+
+@pytest.fixture
+def ops(olga_key):
+    """A DRF client with an operator's API key: the fleet's rights."""
+    return key_client(olga_key)
 
 
 # ---- control-plane fixtures over a real agent ------------------------------------------------

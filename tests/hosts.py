@@ -136,23 +136,36 @@ class Hosts:
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
 
-def start_agent(hosts: Hosts, i: int, store: Path, log_dir: Path, threads: int = 2):
-    """A node agent on host i, listening on its own address (port 50051)."""
+def pki(directory: Path, hosts: Hosts):
+    """A cluster CA with one certificate for every host's address and the tests' client."""
+    from workers import tls
+
+    tls.make_ca(directory)
+    return tls.issue(directory, "cluster", [hosts.ip(i) for i in range(hosts.n)] + ["127.0.0.1"])
+
+
+def start_agent(hosts: Hosts, i: int, store: Path, log_dir: Path, threads: int = 2, files=None):
+    """A node agent on host i, listening on its own address (port 50051), with mutual TLS
+    (files from pki()): plaintext gRPC is refused off loopback."""
     address = f"{hosts.ip(i)}:50051"
     argv = [sys.executable, "-m", "workers", "agent", "--name", f"host{i}", "--listen", address,
             "--advertise", address, "--models-dir", str(store), "--threads", str(threads),
             "--control-plane", ""]  # fmt: skip
+    if files is not None:
+        argv += ["--tls-ca", files.ca, "--tls-cert", files.cert, "--tls-key", files.key]
     hosts.spawn(i, argv, log_dir / f"agent-host{i}.log")
     return address
 
 
-def wait_agent(address: str, token: str, timeout: float = 60) -> None:
+def wait_agent(address: str, token: str, timeout: float = 60, files=None) -> None:
     import grpc
     from llamafleet.agent.v1 import agent_pb2 as pb
     from llamafleet.agent.v1 import agent_pb2_grpc
 
+    from workers import tls
+
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
+    with tls.channel(address, files) as ch:
         stub = agent_pb2_grpc.NodeAgentStub(ch)
         while True:
             try:

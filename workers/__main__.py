@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument(
         "--metrics-listen",
         default=_env("LLAMAFLEET_AGENT_METRICS", "127.0.0.1:9464"),
-        help="address of GET /metrics, node token as Bearer; empty for none "
+        help="address of GET /metrics, LLAMAFLEET_METRICS_TOKEN as Bearer; empty for none "
         "(LLAMAFLEET_AGENT_METRICS; default 127.0.0.1:9464)",
     )
     a.add_argument(
@@ -78,7 +78,46 @@ def main(argv: list[str] | None = None) -> int:
         help="address rpc servers listen on (LLAMAFLEET_RPC_HOST; default: the host of "
         "--advertise). The ggml RPC protocol has no authentication: keep it private",
     )
+    a.add_argument(
+        "--allow-public-rpc",
+        action="store_true",
+        default=_env("LLAMAFLEET_ALLOW_PUBLIC_RPC") in ("1", "true", "yes"),
+        help="let rpc servers bind a wildcard or public address (LLAMAFLEET_ALLOW_PUBLIC_RPC); "
+        "refused otherwise",
+    )
+    for name, what in (("ca", "CA certificate"), ("cert", "certificate"), ("key", "private key")):
+        env = f"LLAMAFLEET_TLS_{name.upper()}"
+        a.add_argument(
+            f"--tls-{name}",
+            default=_env(env),
+            help=f"PEM {what} for mutual TLS under the cluster CA ({env}); without TLS files "
+            "the agent listens on loopback only",
+        )
+    k = sub.add_parser("pki", help="make a cluster CA and certificates for mutual TLS")
+    k.add_argument("--dir", default="var/pki", help="where the CA and certificates are kept")
+    k.add_argument("--name", default="", help="issue a certificate of this name (else: CA only)")
+    k.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="a DNS name or IP address the certificate is for (repeat); an agent's advertise "
+        "host, or anything for the control plane (it only dials)",
+    )
     args = parser.parse_args(argv)
+    if args.command == "pki":
+        from pathlib import Path
+
+        from workers import tls
+
+        directory = Path(args.dir)
+        tls.make_ca(directory)
+        print(f"CA: {directory / 'ca.pem'} (keep {directory / 'ca-key.pem'} private)")
+        if args.name:
+            files = tls.issue(directory, args.name, args.host or [args.name])
+            print(f"LLAMAFLEET_TLS_CA={files.ca}")
+            print(f"LLAMAFLEET_TLS_CERT={files.cert}")
+            print(f"LLAMAFLEET_TLS_KEY={files.key}")
+        return 0
 
     token = _env("LLAMAFLEET_NODE_TOKEN")
     if not token:
@@ -89,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     from workers.agent.server import AgentSettings, serve
+    from workers.tls import TLSFiles
+
+    tls_paths = [args.tls_ca, args.tls_cert, args.tls_key]
+    if any(tls_paths) and not all(tls_paths):
+        parser.error("give all of --tls-ca, --tls-cert and --tls-key, or none")
 
     settings = AgentSettings(
         name=args.name,
@@ -100,10 +144,18 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         heartbeat_seconds=args.heartbeat,
         metrics_listen=args.metrics_listen,
+        metrics_token=_env("LLAMAFLEET_METRICS_TOKEN"),
         stream_interval_ms=args.stream_interval_ms,
         rpc_host=args.rpc_host,
+        allow_public_rpc=args.allow_public_rpc,
+        tls=TLSFiles(*tls_paths) if all(tls_paths) else None,
     )
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except RuntimeError as exc:  # a refused configuration: say why, no traceback
+        log = logging.getLogger("workers")
+        log.error("%s", exc)
+        return 2
     return 0
 
 

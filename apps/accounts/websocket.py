@@ -7,6 +7,7 @@ from channels.db import database_sync_to_async
 from channels.sessions import CookieMiddleware, SessionMiddleware
 from django.conf import settings
 from django.contrib.auth.models import AnonymousUser
+from django.http.request import split_domain_port, validate_host
 
 from apps.accounts.services import authenticate_key, bearer_from_header
 
@@ -18,13 +19,19 @@ def _key_owner(raw: str):
 
 
 def _same_origin(scope) -> bool:
-    """Session cookies ride along cross-site; only pages of this host may use them."""
-    origin = dict(scope.get("headers", [])).get(b"origin", b"").decode()
-    if not origin:
+    """Session cookies ride along cross-site; only pages of this very origin (scheme, host and
+    port, as Django's CSRF check compares them) or of a CSRF-trusted origin may use them."""
+    headers = dict(scope.get("headers", []))
+    origin = headers.get(b"origin", b"").decode("latin-1")
+    host = headers.get(b"host", b"").decode("latin-1")
+    if not origin or not host or not validate_host(split_domain_port(host)[0], _allowed_hosts()):
         return False
-    host = origin.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    allowed = {h.strip("[]") for h in settings.ALLOWED_HOSTS}
-    return "*" in allowed or host in allowed
+    scheme = "https" if scope.get("scheme") in ("wss", "https") else "http"
+    return origin == f"{scheme}://{host}" or origin in settings.CSRF_TRUSTED_ORIGINS
+
+
+def _allowed_hosts() -> list[str]:
+    return settings.ALLOWED_HOSTS or ["localhost", "127.0.0.1", "[::1]"]
 
 
 class _ApiKeyOrSession:

@@ -6,7 +6,6 @@ from datetime import UTC, datetime
 
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
-from django.contrib.auth.decorators import login_required
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_http_methods
 
@@ -46,7 +45,8 @@ def dashboard(request):
     return render(request, "console/dashboard.html", {"known_models": sorted(KNOWN_MODELS)})
 
 
-@login_required(login_url="console:login")
+@staff_member_required(login_url="console:login")
 def playground(request):
-    """Chat with any deployed model over the generation websocket."""
+    """Chat with any deployed model over the generation websocket (operators: applications
+    use the API with their keys)."""
     return render(request, "console/playground.html")

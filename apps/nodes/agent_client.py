@@ -12,9 +12,11 @@ import grpc
 from django.conf import settings
 from llamafleet.agent.v1 import agent_pb2_grpc
 
+from workers import tls
+
 ERROR_METADATA_KEY = "llamafleet-error-code"
-_sync_channels: dict[str, grpc.Channel] = {}
-_aio_channels: dict[tuple[int, str], grpc.aio.Channel] = {}
+_sync_channels: dict[tuple, grpc.Channel] = {}
+_aio_channels: dict[tuple, grpc.aio.Channel] = {}
 
 
 def metadata() -> tuple[tuple[str, str], ...]:
@@ -22,19 +24,22 @@ def metadata() -> tuple[tuple[str, str], ...]:
 
 
 def stub(address: str) -> agent_pb2_grpc.NodeAgentStub:
-    """A blocking stub, for tasks."""
-    channel = _sync_channels.get(address)
+    """A blocking stub, for tasks. Mutual TLS under the cluster CA (settings.AGENT_TLS);
+    plaintext only to loopback, else tls.PlaintextRefused (an RpcError, UNAVAILABLE)."""
+    key = (address, settings.AGENT_TLS)
+    channel = _sync_channels.get(key)
     if channel is None:
-        channel = _sync_channels[address] = grpc.insecure_channel(address)
+        channel = _sync_channels[key] = tls.channel(address, settings.AGENT_TLS)
     return agent_pb2_grpc.NodeAgentStub(channel)
 
 
 def aio_stub(address: str) -> agent_pb2_grpc.NodeAgentStub:
-    """An asyncio stub bound to the running event loop, for the serving path."""
-    key = (id(asyncio.get_running_loop()), address)
+    """An asyncio stub bound to the running event loop, for the serving path; as stub(), with
+    grpc.aio.AioRpcError (UNAVAILABLE) for refused plaintext."""
+    key = (id(asyncio.get_running_loop()), address, settings.AGENT_TLS)
     channel = _aio_channels.get(key)
     if channel is None:
-        channel = _aio_channels[key] = grpc.aio.insecure_channel(address)
+        channel = _aio_channels[key] = tls.channel(address, settings.AGENT_TLS, aio=True)
     return agent_pb2_grpc.NodeAgentStub(channel)
 
 

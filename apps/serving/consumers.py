@@ -13,24 +13,37 @@ Sampling fields are those of the OpenAI API. Closing the socket cancels what is 
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 
 from apps.accounts.models import ApiKey
-from apps.serving import openai
+from apps.serving import schemas
 from apps.serving.services import Finished, Piece, ServingError, generate
 from apps.usage.services import Caller
+from controlplane import strictjson
 
 MAX_CONCURRENT = 16
+log = logging.getLogger(__name__)
+
+
+def _id_of(content) -> str:
+    gid = content.get("id") if isinstance(content, dict) else None
+    return gid if isinstance(gid, str) and len(gid) <= 128 else ""
 
 
 class GenerationConsumer(AsyncJsonWebsocketConsumer):
     """Streams generations to an authenticated websocket."""
 
     async def connect(self):
-        if not self.scope["user"].is_authenticated:
+        user = self.scope["user"]
+        if not user.is_authenticated:
             await self.close(code=4401)
+            return
+        if self.scope.get("api_key") is None and not user.is_staff:
+            await self.close(code=4403)  # the console is for operators; applications use keys
             return
         self.running: dict[str, asyncio.Task] = {}
         await self.accept()
@@ -39,43 +52,47 @@ class GenerationConsumer(AsyncJsonWebsocketConsumer):
         for task in getattr(self, "running", {}).values():
             task.cancel()
 
-    async def receive_json(self, content, **kwargs):
+    async def receive(self, text_data=None, bytes_data=None, **kwargs):
+        """Every frame gets an answer, and the socket stays open whatever a frame holds."""
+        if text_data is None:
+            await self._error(
+                "", ServingError(400, "send JSON text frames, not binary", param="body")
+            )
+            return
+        if len(text_data) > settings.DATA_UPLOAD_MAX_MEMORY_SIZE:
+            await self._error("", ServingError(400, "the frame is too large", param="body"))
+            return
+        try:
+            content = strictjson.loads(text_data)
+        except strictjson.JSONError as exc:
+            await self._error("", ServingError(400, f"the frame is {exc}", param="body"))
+            return
+        try:
+            await self._receive(content)
+        except ServingError as err:
+            await self._error(_id_of(content), err)
+
+    async def _receive(self, content) -> None:
         kind = content.get("type") if isinstance(content, dict) else None
-        gid = str(content.get("id", "")) if isinstance(content, dict) else ""
         if kind == "cancel":
-            task = self.running.get(gid)
+            task = self.running.get(schemas.parse(schemas.CancelMessage, content).id)
             if task is not None:
                 task.cancel()
             return
         if kind != "generate":
-            await self._error(
-                gid, ServingError(400, "type must be 'generate' or 'cancel'", param="type")
-            )
-            return
-        if not gid or gid in self.running:
-            await self._error(
-                gid, ServingError(400, "each generation needs a new, non-empty id", param="id")
-            )
-            return
+            raise ServingError(400, "type must be 'generate' or 'cancel'", param="type")
+        message = schemas.parse(schemas.GenerateMessage, content)
+        if message.id in self.running:
+            raise ServingError(400, "each generation needs a new id", param="id")
         if len(self.running) >= MAX_CONCURRENT:
-            await self._error(
-                gid,
-                ServingError(
-                    429,
-                    f"at most {MAX_CONCURRENT} generations per socket",
-                    "rate_limit_error",
-                    "too_many_generations",
-                ),
+            raise ServingError(
+                429,
+                f"at most {MAX_CONCURRENT} generations per socket",
+                "rate_limit_error",
+                "too_many_generations",
             )
-            return
-        try:
-            body = {k: v for k, v in content.items() if k not in ("type", "id", "stream")}
-            parse = openai.chat_params if "messages" in body else openai.completion_params
-            params, _, _ = parse(body)
-        except ServingError as err:
-            await self._error(gid, err)
-            return
-        self.running[gid] = asyncio.create_task(self._run(gid, params))
+        params = message.generation()
+        self.running[message.id] = asyncio.create_task(self._run(message.id, params))
 
     async def _run(self, gid: str, params) -> None:
         try:
@@ -97,6 +114,9 @@ class GenerationConsumer(AsyncJsonWebsocketConsumer):
                 await self.send_json({"type": "done", "id": gid, "finish_reason": "cancelled"})
             except Exception:  # the socket may be gone already
                 pass
+        except Exception:
+            log.exception("generation %s failed", gid)
+            await self._error(gid, ServingError(500, "internal error", "server_error"))
         finally:
             self.running.pop(gid, None)
 

@@ -4,6 +4,22 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+#: The model label of requests for a model nothing served here: labels come from the catalog
+#: only, never from a client's string.
+UNKNOWN_MODEL = "unknown"
+_catalog_names: set[str] = set()  # models this process routed to (or found in the catalog)
+
+
+def known_model(name: str) -> str:
+    """Record that `name` is a catalog model (it routed) and return it as a label."""
+    _catalog_names.add(name)
+    return name
+
+
+def model_label(name: str) -> str:
+    return name if name in _catalog_names else UNKNOWN_MODEL
+
+
 REQUESTS = Counter(
     "llamafleet_requests",
     "Generations by how they ended: ok, cancelled, error, rejected, migrated (ok after a move).",

@@ -244,12 +244,12 @@ class Generation:
             self._tried.add(target.replica_id)
             key = f"{self.id}:{len(self._tried)}"
             balancer.acquire(target.replica_id, key)
-            call = agent_client.aio_stub(target.address).RunInference(
-                self.params.to_request(target.replica_id, self.id, resume),
-                metadata=agent_client.metadata(),
-                timeout=max(self.deadline - time.monotonic(), 0.001),
-            )
             try:
+                call = agent_client.aio_stub(target.address).RunInference(
+                    self.params.to_request(target.replica_id, self.id, resume),
+                    metadata=agent_client.metadata(),
+                    timeout=max(self.deadline - time.monotonic(), 0.001),
+                )
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:
                 balancer.release(target.replica_id, key)
@@ -365,7 +365,7 @@ class Generation:
 class _Slot:
     """One of this process's MAX_IN_FLIGHT generation slots."""
 
-    def __init__(self, model: str):
+    def __init__(self):
         global _in_flight
         if _in_flight >= settings.MAX_IN_FLIGHT:
             raise ServingError(
@@ -377,13 +377,18 @@ class _Slot:
                 retry_after=1,
             )
         _in_flight += 1
+        self.model = ""
+
+    def routed(self, model: str) -> None:
+        """Count the slot in the model's gauge once the model is known to be served."""
         self.model = model
         metrics.IN_FLIGHT.labels(model).inc()
 
     def free(self) -> None:
         global _in_flight
         _in_flight -= 1
-        metrics.IN_FLIGHT.labels(self.model).dec()
+        if self.model:
+            metrics.IN_FLIGHT.labels(self.model).dec()
 
 
 async def _targets_or_error(model: str, hashes: list[str] = ()) -> list[Target]:
@@ -409,14 +414,17 @@ async def embed(
     """Embeddings of texts from one replica of the model (another if it fails), metered."""
     usage = Usage(uuid.uuid4().hex, caller, "embedding", model)
     began = time.monotonic()
+    label = metrics.model_label(model)
     try:
         await check_quota_or_429(caller, usage.request_id)
         vectors, n_tokens, target = await _embed(model, texts)
     except ServingError as err:
         usage.outcome = "rejected" if err.status == 429 else "error"
         usage.error_code = err.code or err.type
+        label = metrics.known_model(model) if err.code == "no_replica" else label
         raise
     else:
+        label = metrics.known_model(model)
         usage.outcome, usage.prompt_tokens = "ok", n_tokens
         usage.deployment, usage.replicas, usage.nodes = (
             target.deployment,
@@ -426,7 +434,7 @@ async def embed(
         return vectors, n_tokens, target
     finally:
         usage.duration = time.monotonic() - began
-        metrics.REQUESTS.labels(model, usage.deployment, usage.outcome).inc()
+        metrics.REQUESTS.labels(label, usage.deployment, usage.outcome).inc()
         record_soon(usage)
 
 
@@ -491,10 +499,14 @@ async def generate(
     slot: _Slot | None = None
     gen: Generation | None = None
     finished: Finished | None = None
+    # Metric labels name only served models: a client's string must not become a label.
+    label = metrics.model_label(params.model)
     try:
         await check_quota_or_429(caller, usage.request_id)
-        slot = _Slot(params.model)
+        slot = _Slot()
         gen = await start_generation(params, usage.request_id)
+        label = metrics.known_model(params.model)
+        slot.routed(label)
         yield gen
         async with aclosing(gen.events()) as events:
             async for ev in events:
@@ -506,7 +518,8 @@ async def generate(
     except ServingError as err:
         usage.outcome = "rejected" if err.status == 429 else "error"
         usage.error_code = err.code or err.type
-        metrics.ERRORS.labels(params.model, usage.error_code).inc()
+        label = metrics.known_model(params.model) if err.code == "no_replica" else label
+        metrics.ERRORS.labels(label, usage.error_code).inc()
         raise
     finally:
         if slot is not None:
@@ -520,7 +533,7 @@ async def generate(
             usage.completion_tokens = finished.completion_tokens if finished else len(gen.token_ids)
             if gen.first_token_at:
                 usage.time_to_first_token = gen.first_token_at - began
-        metrics.REQUESTS.labels(params.model, usage.deployment, usage.outcome).inc()
+        metrics.REQUESTS.labels(label, usage.deployment, usage.outcome).inc()
         record_soon(usage)
 
 

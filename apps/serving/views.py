@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import base64
+import functools
+import hmac
 import json
+import logging
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from apps.accounts.services import authenticate_key, bearer_from_header
-from apps.serving import openai
+from apps.serving import schemas
 from apps.serving.services import (
     Finished,
     Generation,
@@ -28,6 +33,9 @@ from apps.serving.services import (
     served_models,
 )
 from apps.usage.services import Caller
+from controlplane import strictjson
+
+log = logging.getLogger(__name__)
 
 
 def error_response(err: ServingError) -> JsonResponse:
@@ -38,15 +46,17 @@ def error_response(err: ServingError) -> JsonResponse:
 
 
 async def _authenticate(request: HttpRequest) -> Caller:
-    """Who is calling: an API key (Bearer) or the console's session; else 401."""
+    """Who is calling: an API key (Bearer); else 401. An operator's console session may read
+    (GET: the playground lists models) but not generate: that is the websocket's, and a
+    cross-site POST would carry the cookie without CSRF."""
     raw = bearer_from_header(request.headers.get("Authorization", ""))
     key = await sync_to_async(authenticate_key)(raw) if raw else None
     if key is not None:
         return Caller.from_key(key)
-    if not raw:
-        user = await request.auser()  # the console's session
-        if user.is_authenticated:
-            return Caller(user_id=user.pk, staff=user.is_staff)
+    if not raw and request.method == "GET":
+        user = await request.auser()
+        if user.is_authenticated and user.is_staff:
+            return Caller(user_id=user.pk, staff=True)
     raise ServingError(
         401,
         "Incorrect API key provided." if raw else "You didn't provide an API key.",
@@ -56,19 +66,39 @@ async def _authenticate(request: HttpRequest) -> Caller:
 
 def _parse_json(request: HttpRequest):
     try:
-        return json.loads(request.body or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ServingError(400, f"the body is not valid JSON: {exc}", param="body") from None
+        return strictjson.loads(request.body or b"null")
+    except strictjson.JSONError as exc:
+        raise ServingError(400, f"the body is {exc}", param="body") from None
+    except RequestDataTooBig:
+        raise ServingError(413, "the request body is too large", param="body") from None
 
 
 def _sse(data) -> bytes:
     return b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
 
 
-async def _serve(request, parse: Callable, shape: str) -> HttpResponse:
+def _guarded(view):
+    """No exception escapes a /v1 view: an unexpected one is logged and answered as a 500 in
+    OpenAI's shape (never Django's HTML page)."""
+
+    @functools.wraps(view)
+    async def wrapper(request, *args, **kwargs):
+        try:
+            return await view(request, *args, **kwargs)
+        except ServingError as err:
+            return error_response(err)
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            return error_response(ServingError(500, "internal error", "server_error"))
+
+    return wrapper
+
+
+async def _serve(request, model: type, shape: str) -> HttpResponse:
     try:
         caller = await _authenticate(request)
-        params, stream, include_usage = parse(_parse_json(request))
+        body = schemas.parse(model, _parse_json(request))
+        params, stream, include_usage = body.generation(), body.stream, body.include_usage
         events = generate(params, caller, "chat" if shape == "chat" else "completion")
         gen = await anext(events)  # routed: errors so far still get a status code
     except ServingError as err:
@@ -188,28 +218,29 @@ async def _stream(
         yield _sse(b"[DONE]")
 
 
-@csrf_exempt
+@csrf_exempt  # API keys only: a session cannot POST here (see _authenticate)
 @require_POST
+@_guarded
 async def chat_completions(request):
-    return await _serve(request, openai.chat_params, "chat")
+    return await _serve(request, schemas.ChatCompletionRequest, "chat")
 
 
 @csrf_exempt
 @require_POST
+@_guarded
 async def completions(request):
-    return await _serve(request, openai.completion_params, "text")
+    return await _serve(request, schemas.CompletionRequest, "text")
 
 
 @csrf_exempt
 @require_POST
+@_guarded
 async def embeddings(request):
     """OpenAI's /v1/embeddings: mean-pooled, L2-normalised vectors from a deployed model."""
-    try:
-        caller = await _authenticate(request)
-        model, texts, encoding = openai.embedding_params(_parse_json(request))
-        vectors, n_tokens, target = await embed(model, texts, caller)
-    except ServingError as err:
-        return error_response(err)
+    caller = await _authenticate(request)
+    body = schemas.parse(schemas.EmbeddingRequest, _parse_json(request))
+    model, texts, encoding = body.model, body.texts, body.encoding_format
+    vectors, n_tokens, target = await embed(model, texts, caller)
 
     def encode(v: list[float]):
         if encoding == "float":
@@ -233,22 +264,22 @@ async def embeddings(request):
 
 
 @require_GET
+@_guarded
 async def models(request):
-    try:
-        await _authenticate(request)
-    except ServingError as err:
-        return error_response(err)
+    await _authenticate(request)
     return JsonResponse({"object": "list", "data": await served_models()})
 
 
 @require_GET
+@_guarded
 async def metrics(request):
-    """Prometheus metrics of this process; scrape with a staff user's API key as Bearer."""
-    try:
+    """Prometheus metrics of this process: scrape with LLAMAFLEET_METRICS_TOKEN (read-only,
+    for Prometheus) or an operator's API key as Bearer."""
+    raw = bearer_from_header(request.headers.get("Authorization", ""))
+    token = settings.METRICS_TOKEN
+    if not (token and raw and hmac.compare_digest(raw.encode(), token.encode())):
         if not (await _authenticate(request)).staff:
-            raise ServingError(403, "metrics are for staff keys", "permission_error")
-    except ServingError as err:
-        return error_response(err)
+            raise ServingError(403, "metrics are for operators", "permission_error")
     return HttpResponse(generate_latest(), content_type=CONTENT_TYPE_LATEST)
 
 

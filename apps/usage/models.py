@@ -37,7 +37,10 @@ class UsageRecord(models.Model):
 
     class Meta:
         ordering = ["-started_at"]
-        indexes = [models.Index(fields=["api_key", "started_at"])]
+        indexes = [
+            models.Index(fields=["api_key", "started_at"]),
+            models.Index(fields=["user", "started_at"]),  # quotas count per application
+        ]
 
     def __str__(self):
         return f"{self.model} {self.outcome} {self.prompt_tokens}+{self.completion_tokens}"

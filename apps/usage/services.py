@@ -219,15 +219,17 @@ def _periods(now: datetime) -> dict[str, tuple[str, datetime, datetime]]:
     }
 
 
-def _tokens_between(key_id: int, start: datetime, end: datetime) -> int:
+def _tokens_between(user_id: int, start: datetime, end: datetime) -> int:
     total = UsageRecord.objects.filter(
-        api_key_id=key_id, started_at__gte=start, started_at__lt=end
+        user_id=user_id, started_at__gte=start, started_at__lt=end
     ).aggregate(n=Sum(F("prompt_tokens") + F("completion_tokens")))["n"]
     return int(total or 0)
 
 
 async def check_quota(caller: Caller | None, request_id: str) -> None:
-    """Raise QuotaExceeded when the key is over a limit; count the request otherwise.
+    """Raise QuotaExceeded when the key's application is over one of the key's limits; count
+    the request otherwise. Counts are per application (the keys' owner), so minting more keys
+    does not multiply a quota.
 
     When Redis does not answer, requests pass (logged): serving matters more than a limit.
     """
@@ -250,21 +252,21 @@ async def _check(caller: Caller, request_id: str) -> None:
         if limit is None:
             continue
         label, start, end = _periods(utc)[name]
-        key = f"llamafleet:tokens:{caller.key_id}:{label}"
+        key = f"llamafleet:tokens:app:{caller.user_id}:{label}"
         used = await r.get(key)
         if used is None:  # Redis lost it (or a new period): rebuild from the records
-            used = await sync_to_async(_tokens_between)(caller.key_id, start, end)
+            used = await sync_to_async(_tokens_between)(caller.user_id, start, end)
             await r.set(key, used, nx=True, exat=int(end.timestamp()) + 86400)
         if int(used) >= limit:
             raise QuotaExceeded(
                 "insufficient_quota",
                 "insufficient_quota",
-                f"this key has used {int(used)} of its {limit} tokens per {name}; "
+                f"this application has used {int(used)} of this key's {limit} tokens per {name}; "
                 f"it resets at {end:%Y-%m-%d %H:%M} UTC",
                 max(int(end.timestamp() - now), 1),
             )
     if caller.requests_per_minute is not None:
-        key = f"llamafleet:rpm:{caller.key_id}"
+        key = f"llamafleet:rpm:app:{caller.user_id}"
         pipe = r.pipeline(transaction=False)
         pipe.zremrangebyscore(key, 0, now - 60)
         pipe.zcard(key)
@@ -275,7 +277,8 @@ async def _check(caller: Caller, request_id: str) -> None:
             raise QuotaExceeded(
                 "rate_limit_error",
                 "rate_limit_exceeded",
-                f"this key is limited to {caller.requests_per_minute} requests per minute",
+                f"this key is limited to {caller.requests_per_minute} requests per minute "
+                "across its application's keys",
                 max(wait, 1),
             )
         pipe = r.pipeline(transaction=False)
@@ -285,7 +288,7 @@ async def _check(caller: Caller, request_id: str) -> None:
 
 
 async def consume_tokens(caller: Caller | None, tokens: int) -> None:
-    """Add a finished request's tokens to the key's running day and month counts."""
+    """Add a finished request's tokens to its application's running day and month counts."""
     if caller is None or caller.key_id is None or not tokens:
         return
     if caller.tokens_per_day is None and caller.tokens_per_month is None:
@@ -294,7 +297,7 @@ async def consume_tokens(caller: Caller | None, tokens: int) -> None:
         r = _redis()
         pipe = r.pipeline(transaction=False)
         for label, _, _ in _periods(datetime.now(UTC)).values():
-            key = f"llamafleet:tokens:{caller.key_id}:{label}"
+            key = f"llamafleet:tokens:app:{caller.user_id}:{label}"
             # Only where the count exists: a missing one is rebuilt from the records.
             pipe.eval(
                 "if redis.call('exists', KEYS[1]) == 1 then "

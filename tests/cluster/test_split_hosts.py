@@ -17,11 +17,13 @@ from datetime import timedelta
 
 import grpc
 import pytest
+from django.test import override_settings
 from llamafleet.agent.v1 import agent_pb2 as pb
 from llamafleet.agent.v1 import agent_pb2_grpc
 
 from tests import hosts as H
 from tests.conftest import CHAT, ROOT, SMOLLM2, wait_for
+from workers import tls
 
 pytestmark = pytest.mark.skipif(bool(H.available()), reason=H.available() or "ok")
 TOKEN = os.environ.get("LLAMAFLEET_NODE_TOKEN", "")
@@ -34,17 +36,21 @@ def cluster(model_store, tmp_path_factory):
     """Three hosts with an agent each (host0, host1, host2)."""
     logs = tmp_path_factory.mktemp("host-logs")
     hosts = H.Hosts(3).up()
+    files = H.pki(tmp_path_factory.mktemp("pki"), hosts)
+    tls_on = override_settings(AGENT_TLS=files)  # the control plane dials them over mTLS
+    tls_on.enable()
     try:
-        addresses = [H.start_agent(hosts, i, model_store, logs) for i in range(3)]
+        addresses = [H.start_agent(hosts, i, model_store, logs, files=files) for i in range(3)]
         for a in addresses:
-            H.wait_agent(a, TOKEN)
-        channels = [grpc.insecure_channel(a) for a in addresses]
+            H.wait_agent(a, TOKEN, files=files)
+        channels = [tls.channel(a, files) for a in addresses]
         hosts.stubs = [agent_pb2_grpc.NodeAgentStub(c) for c in channels]
         hosts.addresses = addresses
         yield hosts
         for c in channels:
             c.close()
     finally:
+        tls_on.disable()
         hosts.down()
 
 

@@ -195,7 +195,7 @@ def test_metrics_need_the_node_token_and_describe_replicas(model_store):
     """GET /metrics of an agent over a real socket."""
     import httpx
 
-    from tests.conftest import RunningAgent
+    from tests.conftest import METRICS_TOKEN, RunningAgent
 
     running = RunningAgent(model_store, metrics_listen="127.0.0.1:0")
     try:
@@ -207,8 +207,11 @@ def test_metrics_need_the_node_token_and_describe_replicas(model_store):
         url = f"http://127.0.0.1:{port}/metrics"
         assert httpx.get(url).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert httpx.get(url.replace("/metrics", "/other"), headers=dict(AUTH)).status_code == 404
-        body = httpx.get(url, headers={"Authorization": AUTH[0][1]}).text
+        scrape = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+        # The node token does everything else; /metrics takes only the scrape-only token.
+        assert httpx.get(url, headers={"Authorization": AUTH[0][1]}).status_code == 401
+        assert httpx.get(url.replace("/metrics", "/other"), headers=scrape).status_code == 404
+        body = httpx.get(url, headers=scrape).text
         assert 'llamafleet_agent_replica_ready{model="smollm2",replica="r1"} 1.0' in body
         assert 'llamafleet_agent_in_flight{model="smollm2",replica="r1"} 0.0' in body
         assert (

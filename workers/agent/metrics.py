@@ -143,7 +143,11 @@ async def serve_metrics(metrics: AgentMetrics, listen: str, token: str) -> async
             if method != b"GET" or path.split(b"?")[0] != b"/metrics":
                 status, body, ctype = b"404 Not Found", b"not found\n", b"text/plain"
             elif not hmac.compare_digest(auth, expected):
-                status, body, ctype = b"401 Unauthorized", b"node token required\n", b"text/plain"
+                status, body, ctype = (
+                    b"401 Unauthorized",
+                    b"metrics token required\n",
+                    b"text/plain",
+                )
             else:
                 status, body = b"200 OK", metrics.render()
                 ctype = b"text/plain; version=0.0.4; charset=utf-8"

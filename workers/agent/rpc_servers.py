@@ -17,6 +17,7 @@ import grpc
 from llamafleet.agent.v1 import agent_pb2 as pb
 from llamafleet.agent.v1 import agent_pb2_grpc
 
+from workers import tls
 from workers.engine.errors import EngineError
 from workers.engine.process import describe_exit
 
@@ -127,13 +128,15 @@ async def check(endpoint: str, timeout: float = 10.0) -> pb.RpcServerCheck:
     return out
 
 
-async def measure_link(target: str, metadata, total_bytes: int) -> pb.LinkMeasurement:
+async def measure_link(
+    target: str, metadata, total_bytes: int, tls_files=None
+) -> pb.LinkMeasurement:
     """Median round trip of 7 empty Echo calls, then throughput of 1 MiB Echo calls."""
     out = pb.LinkMeasurement(target=target)
     chunk = b"\0" * (1 << 20)
     try:
-        async with grpc.aio.insecure_channel(
-            target, options=[("grpc.max_receive_message_length", 8 << 20)]
+        async with tls.channel(
+            target, tls_files, aio=True, options=[("grpc.max_receive_message_length", 8 << 20)]
         ) as channel:
             stub = agent_pb2_grpc.NodeAgentStub(channel)
             rtts = []

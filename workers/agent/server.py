@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import signal
+import socket
 from dataclasses import dataclass
 
 import grpc
@@ -14,9 +16,11 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from llamafleet.agent.v1 import agent_pb2_grpc
 
+from workers import tls
 from workers.agent.metrics import serve_metrics
 from workers.agent.service import NodeAgentService
 from workers.agent.store import ModelStore
+from workers.tls import TLSFiles
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +39,31 @@ class AgentSettings:
     models_dir: str
     threads: int = 0
     heartbeat_seconds: float = 5.0
-    metrics_listen: str = ""  # host:port of GET /metrics (node token as Bearer); "" for none
+    metrics_listen: str = ""  # host:port of GET /metrics (metrics token as Bearer); "" for none
+    metrics_token: str = ""  # scrape-only: it opens /metrics and nothing else
     stream_interval_ms: float = 20.0  # pieces of one stream closer than this are merged
     rpc_host: str = ""  # where rpc servers listen; "" for the host of `advertise`
+    allow_public_rpc: bool = False  # let rpc servers bind a wildcard or public address
+    tls: TLSFiles | None = None  # mutual TLS under the cluster CA; plaintext only on loopback
+
+
+def check_rpc_host(host: str, allow_public: bool) -> None:
+    """Refuse to expose the ggml RPC protocol (no authentication, arbitrary tensor writes) on a
+    wildcard or public address: it belongs on a private network between nodes."""
+    if allow_public:
+        return
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError as exc:
+        raise RuntimeError(f"rpc host {host!r} does not resolve: {exc}") from None
+    for info in infos:
+        ip = ipaddress.ip_address(info[4][0].split("%")[0])
+        if ip.is_unspecified or ip.is_global or ip.is_multicast:
+            raise RuntimeError(
+                f"rpc servers would listen on {host} ({ip}), a wildcard or public address; "
+                "the ggml RPC protocol has no authentication. Give a private --rpc-host (or "
+                "--advertise), or force it with --allow-public-rpc"
+            )
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -116,6 +142,8 @@ class Agent:
 
     def __init__(self, settings: AgentSettings):
         self.settings = settings
+        rpc_host = settings.rpc_host or settings.advertise.rpartition(":")[0].strip("[]")
+        check_rpc_host(rpc_host, settings.allow_public_rpc)
         self.heartbeats: Heartbeats | None = None
         self.service = NodeAgentService(
             settings.name,
@@ -123,8 +151,8 @@ class Agent:
             threads=settings.threads,
             on_change=self._changed,
             stream_interval=settings.stream_interval_ms / 1000,
-            # The ggml RPC protocol has no authentication: the cluster address, never all.
-            rpc_host=settings.rpc_host or settings.advertise.rpartition(":")[0].strip("[]"),
+            rpc_host=rpc_host,
+            tls_files=settings.tls,
         )
         self.server = grpc.aio.server(interceptors=[TokenInterceptor(settings.node_token)])
         agent_pb2_grpc.add_NodeAgentServicer_to_server(self.service, self.server)
@@ -139,7 +167,7 @@ class Agent:
             self.heartbeats.poke()
 
     async def start(self) -> int:
-        self.port = self.server.add_insecure_port(self.settings.listen)
+        self.port = tls.add_port(self.server, self.settings.listen, self.settings.tls)
         if not self.port:
             raise RuntimeError(f"cannot listen on {self.settings.listen}")
         await self.server.start()
@@ -147,10 +175,12 @@ class Agent:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.settings.advertise.endswith(":0"):
             self.settings.advertise = self.settings.advertise[:-1] + str(self.port)
-        if self.settings.metrics_listen:
+        if self.settings.metrics_listen and not self.settings.metrics_token:
+            log.warning("no metrics: set LLAMAFLEET_METRICS_TOKEN (scrape-only) to serve them")
+        elif self.settings.metrics_listen:
             try:
                 self.metrics_server = await serve_metrics(
-                    self.service.metrics, self.settings.metrics_listen, self.settings.node_token
+                    self.service.metrics, self.settings.metrics_listen, self.settings.metrics_token
                 )
             except OSError as exc:  # serving matters more than being scraped
                 log.error("no metrics: cannot listen on %s: %s", self.settings.metrics_listen, exc)

@@ -90,12 +90,14 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         on_change: Callable[[], None] | None = None,
         stream_interval: float = 0.0,
         rpc_host: str = "127.0.0.1",
+        tls_files=None,
     ):
         self.node_name = node_name
         self.store = store
         self.threads = threads or system.cpu_cores()
         self.stream_interval = stream_interval
         self.rpc_host = rpc_host
+        self.tls_files = tls_files  # for calls to other agents (link measurement)
         self.rpc_servers: dict[int, RpcServer] = {}
         self.replicas: dict[str, Replica] = {}
         self._on_change = on_change or (lambda: None)
@@ -249,7 +251,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         # The caller's node token opens the other agent too (agents share it).
         auth = dict(context.invocation_metadata()).get("authorization", "")
         return await rpc_servers.measure_link(
-            request.target, (("authorization", auth),), request.bytes
+            request.target, (("authorization", auth),), request.bytes, self.tls_files
         )
 
     async def Echo(self, request, context):

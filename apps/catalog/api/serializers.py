@@ -49,3 +49,12 @@ class PullRequestSerializer(serializers.Serializer):
         allow_blank=True,
         help_text="Import this GGUF file from the control plane's disk instead.",
     )
+
+
+class KnownModelSerializer(serializers.Serializer):
+    """A model that can be pulled by name."""
+
+    name = serializers.CharField()
+    description = serializers.CharField()
+    source = serializers.CharField()
+    sha256 = serializers.CharField()

@@ -2,13 +2,14 @@ from django.http import FileResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from apps.accounts.permissions import IsOperator
 from apps.catalog import services, sources
 from apps.catalog.api.serializers import (
     CatalogModelSerializer,
+    KnownModelSerializer,
     PullJobSerializer,
     PullRequestSerializer,
 )
@@ -23,23 +24,25 @@ class CatalogModelViewSet(
     mixins.DestroyModelMixin,
     viewsets.GenericViewSet,
 ):
-    """Models in the catalog with their GGUF facts; pull new ones with POST /models/pull."""
+    """Models in the catalog with their GGUF facts; pull new ones with POST /models/pull.
+    Operators only."""
 
+    permission_classes = [IsOperator]
     queryset = CatalogModel.objects.prefetch_related("pulls")
     serializer_class = CatalogModelSerializer
     lookup_field = "name"
+    lookup_value_regex = "[^/]+"  # names may hold dots
 
     @extend_schema(request=PullRequestSerializer, responses={202: PullJobSerializer})
     @action(detail=False, methods=["post"])
     def pull(self, request):
         data = PullRequestSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        if data.validated_data["local_path"] and not request.user.is_staff:
-            raise PermissionDenied("only staff may import a file from the control plane's disk")
         job = services.start_pull(data.validated_data["name"], data.validated_data["local_path"])
         return Response(PullJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
 
-    @action(detail=False, methods=["get"])
+    @extend_schema(responses=KnownModelSerializer(many=True))
+    @action(detail=False, methods=["get"], pagination_class=None)
     def known(self, request):
         """Models that can be pulled by name."""
         return Response(
@@ -54,8 +57,9 @@ class CatalogModelViewSet(
 
 
 class PullJobViewSet(viewsets.ReadOnlyModelViewSet):
-    """Pull jobs and their progress."""
+    """Pull jobs and their progress (operators)."""
 
+    permission_classes = [IsOperator]
     queryset = PullJob.objects.select_related("model")
     serializer_class = PullJobSerializer
 

@@ -3,6 +3,7 @@ from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
+from apps.accounts.permissions import IsOperator
 from apps.deployments import placement, services
 from apps.deployments.api.serializers import (
     CreateDeploymentSerializer,
@@ -22,11 +23,14 @@ class DeploymentViewSet(
     mixins.DestroyModelMixin,
     viewsets.GenericViewSet,
 ):
-    """Deployments (desired state) with their replicas (actual state) and recent events."""
+    """Deployments (desired state) with their replicas (actual state) and recent events.
+    Operators only: applications see what is served at /v1/models."""
 
+    permission_classes = [IsOperator]
     queryset = Deployment.objects.select_related("model").prefetch_related("replica_set__node")
     serializer_class = DeploymentSerializer
     lookup_field = "name"
+    lookup_value_regex = "[^/]+"  # names may hold dots
 
     @extend_schema(request=CreateDeploymentSerializer, responses={202: DeploymentSerializer})
     def create(self, request):

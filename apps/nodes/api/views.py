@@ -1,9 +1,10 @@
 from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework import mixins, permissions, viewsets
+from rest_framework import mixins, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from apps.accounts.permissions import IsOperator
 from apps.nodes import services
 from apps.nodes.api.permissions import HasNodeToken
 from apps.nodes.api.serializers import NodeLinkSerializer, NodePriceSerializer, NodeSerializer
@@ -12,16 +13,13 @@ from apps.nodes.models import Node, NodeLink
 
 class NodeViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
     """Nodes of the fleet with their capacity, liveness and what they hold. DELETE removes
-    one that holds no live replica (staff); an agent that reports again registers anew."""
+    one that holds no live replica; an agent that reports again registers anew. Operators only."""
 
+    permission_classes = [IsOperator]
     queryset = Node.objects.all()
     serializer_class = NodeSerializer
     lookup_field = "name"
-
-    def get_permissions(self):
-        if self.action == "destroy":
-            return [permissions.IsAdminUser()]
-        return super().get_permissions()
+    lookup_value_regex = "[^/]+"  # names may hold dots
 
     def perform_destroy(self, instance):
         services.remove_node(instance)
@@ -50,9 +48,9 @@ class NodeViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
         return Response(NodeSerializer(node).data)
 
     @extend_schema(request=NodePriceSerializer, responses={200: NodeSerializer})
-    @action(detail=True, methods=["post"], permission_classes=[permissions.IsAdminUser])
+    @action(detail=True, methods=["post"])
     def price(self, request, name=None):
-        """Set what an hour of the node costs (staff); later hours are billed at it."""
+        """Set what an hour of the node costs; later hours are billed at it."""
         data = NodePriceSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         node = self.get_object()

@@ -1,23 +1,33 @@
+from datetime import UTC
+
 from django.http import HttpResponse
+from django.utils.dateparse import parse_datetime
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import mixins, permissions, status, viewsets
+from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
+from apps.accounts.permissions import IsApplication, IsOperator, is_operator
 from apps.usage import services
 from apps.usage.api.serializers import NewReportSerializer, ReportSerializer, UsageRecordSerializer
 from apps.usage.models import Report, UsageRecord
 
 
 class UsageViewSet(viewsets.ReadOnlyModelViewSet):
-    """Usage records: yours, or everyone's for staff. Filters: ?model=, ?outcome=, ?since=."""
+    """Usage records: an application's own, or everyone's for operators. Filters: ?model=,
+    ?outcome=, ?since=."""
 
+    permission_classes = [IsApplication]
     serializer_class = UsageRecordSerializer
     lookup_field = "request_id"
 
     def get_queryset(self):
+        if getattr(self, "swagger_fake_view", False):  # the schema generator has no caller
+            return self.serializer_class.Meta.model.objects.none()
         qs = UsageRecord.objects.all()
-        if not self.request.user.is_staff:
+        if not is_operator(self.request.user):
             qs = qs.filter(user=self.request.user)
         p = self.request.query_params
         if p.get("model"):
@@ -25,23 +35,35 @@ class UsageViewSet(viewsets.ReadOnlyModelViewSet):
         if p.get("outcome"):
             qs = qs.filter(outcome=p["outcome"])
         if p.get("since"):
-            qs = qs.filter(started_at__gte=p["since"])
+            try:
+                since = parse_datetime(p["since"]) if len(p["since"]) < 40 else None
+                if since is not None and since.tzinfo is not None:
+                    since = since.astimezone(UTC)  # PostgreSQL takes offsets up to 15:59 only
+            except (ValueError, OverflowError):
+                since = None
+            if since is None:
+                raise ValidationError({"since": "must be an ISO 8601 date and time"})
+            qs = qs.filter(started_at__gte=since)
         return qs
 
     @extend_schema(
-        parameters=[OpenApiParameter("model", str), OpenApiParameter("outcome", str)],
+        parameters=[
+            OpenApiParameter("model", str),
+            OpenApiParameter("outcome", str),
+            OpenApiParameter("since", OpenApiTypes.DATETIME),
+        ],
     )
     def list(self, request, *args, **kwargs):
         return super().list(request, *args, **kwargs)
 
 
 class ReportViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
-    """Cost reports (staff). Daily and weekly ones come from the beat schedule; POST
+    """Cost reports (operators). Daily and weekly ones come from the beat schedule; POST
     {start, end} makes one for any period. Each has JSON here and CSV at .../csv/."""
 
     queryset = Report.objects.all()
     serializer_class = ReportSerializer
-    permission_classes = [permissions.IsAdminUser]
+    permission_classes = [IsOperator]
 
     @extend_schema(request=NewReportSerializer, responses={201: ReportSerializer})
     def create(self, request):

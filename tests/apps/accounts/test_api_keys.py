@@ -37,7 +37,8 @@ def test_alice_creates_a_key_that_is_stored_hashed_and_works(api, alice):
     raw = resp.json()["key"]
     row = ApiKey.objects.get(pk=resp.json()["id"])
     assert row.key_hash == hash_key(raw) and raw not in (row.key_hash, row.prefix)
-    assert client_with(raw).get("/api/v1/nodes/").status_code == 200
+    assert client_with(raw).get("/api/v1/api-keys/").status_code == 200
+    assert client_with(raw).get("/api/v1/nodes/").status_code == 403  # an application's key
 
 
 def test_bob_does_not_see_or_revoke_alices_keys(api, bob):
@@ -53,7 +54,7 @@ def test_bob_does_not_see_or_revoke_alices_keys(api, bob):
 def test_revoked_key_is_refused(api, alice_key):
     key_id = api.get("/api/v1/api-keys/").json()["results"][0]["id"]
     assert api.delete(f"/api/v1/api-keys/{key_id}/").status_code == 204
-    resp = client_with(alice_key).get("/api/v1/nodes/")
+    resp = client_with(alice_key).get("/api/v1/usage/")
     assert resp.status_code == 401
     assert "revoked" in resp.json()["detail"]
 
@@ -67,9 +68,78 @@ def test_create_api_key_command_prints_a_working_key():
     call_command("create_api_key", "ops", stdout=out)
     raw = out.getvalue().strip()
     assert raw.startswith("lf-")
-    assert client_with(raw).get("/api/v1/models/").status_code == 200
+    assert client_with(raw).get("/api/v1/models/").status_code == 200  # the admin's key
     # A fixed bootstrap key is created once and reused.
     fixed = "lf-bootstrap-key-for-tests-0001"
     for _ in range(2):
         call_command("create_api_key", "bootstrap", "--key", fixed, stdout=StringIO())
     assert ApiKey.objects.filter(key_hash=hash_key(fixed)).count() == 1
+
+
+# ---- minting: an application's key never makes a key with more than it has ---------------------
+
+
+def test_an_applications_key_mints_keys_no_looser_than_itself(alice):
+    from apps.accounts.services import create_key
+
+    _, raw = create_key(
+        "limited", owner=alice, app="shop", requests_per_minute=10, tokens_per_day=500
+    )
+    c = client_with(raw)
+    # Without limits given, the new key inherits the minting key's limits and app.
+    made = c.post("/api/v1/api-keys/", {"name": "child"}, format="json")
+    assert made.status_code == 201, made.json()
+    body = made.json()
+    assert (body["requests_per_minute"], body["tokens_per_day"], body["app"]) == (10, 500, "shop")
+    # Tighter is fine; looser, or no limit where there is one, is refused by name.
+    assert (
+        c.post("/api/v1/api-keys/", {"name": "t", "tokens_per_day": 100}, format="json").status_code
+        == 201
+    )
+    for field, value in (("tokens_per_day", 501), ("requests_per_minute", None)):
+        resp = c.post("/api/v1/api-keys/", {"name": "loose", field: value}, format="json")
+        assert resp.status_code == 400 and field in resp.json(), resp.json()
+    # Loosening an existing key, or moving it to another app or owner, is refused too.
+    child = body["id"]
+    assert (
+        c.patch(f"/api/v1/api-keys/{child}/", {"tokens_per_day": 9999}, format="json").status_code
+        == 400
+    )
+    assert c.patch(f"/api/v1/api-keys/{child}/", {"app": "other"}, format="json").status_code == 400
+    assert (
+        c.patch(f"/api/v1/api-keys/{child}/", {"owner": "olga"}, format="json").status_code == 400
+    )
+    assert (
+        c.patch(f"/api/v1/api-keys/{child}/", {"tokens_per_day": 50}, format="json").json()[
+            "tokens_per_day"
+        ]
+        == 50
+    )
+
+
+def test_a_session_without_a_key_cannot_mint_for_an_application(alice):
+    c = APIClient()
+    c.force_login(alice)
+    assert c.post("/api/v1/api-keys/", {"name": "x"}, format="json").status_code == 403
+
+
+def test_operators_see_and_set_everyones_keys(api, alice, olga, ops, django_user_model):
+    alices = api.get("/api/v1/api-keys/").json()["results"][0]["id"]
+    assert {k["owner"] for k in ops.get("/api/v1/api-keys/").json()["results"]} == {"alice", "olga"}
+    assert [k["owner"] for k in ops.get("/api/v1/api-keys/?owner=alice").json()["results"]] == [
+        "alice"
+    ]
+    patched = ops.patch(f"/api/v1/api-keys/{alices}/", {"tokens_per_day": 1000}, format="json")
+    assert patched.status_code == 200 and patched.json()["tokens_per_day"] == 1000
+    made = ops.post(
+        "/api/v1/api-keys/", {"name": "for alice", "owner": "alice", "app": "shop"}, format="json"
+    )
+    assert (
+        made.status_code == 201 and made.json()["owner"] == "alice" and made.json()["app"] == "shop"
+    )
+    # An operator may not mint a key for another operator (that would be the admin's call).
+    django_user_model.objects.create_user("oscar", is_staff=True)
+    assert (
+        ops.post("/api/v1/api-keys/", {"name": "x", "owner": "oscar"}, format="json").status_code
+        == 400
+    )

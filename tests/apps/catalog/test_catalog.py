@@ -73,14 +73,14 @@ def test_import_local_file_and_refuse_a_corrupt_one(settings, tmp_path, smollm2_
     assert not list((tmp_path / "store").glob(".pull-*"))  # nothing half-written is left
 
 
-def test_unknown_model_and_concurrent_pull_are_refused(api):
-    resp = api.post("/api/v1/models/pull/", {"name": "no-such-model"}, format="json")
+def test_unknown_model_and_concurrent_pull_are_refused(ops):
+    resp = ops.post("/api/v1/models/pull/", {"name": "no-such-model"}, format="json")
     assert resp.status_code == 404 and "known models" in resp.json()["detail"]
     model = CatalogModel.objects.create(name="smollm2-135m-instruct", source="x")
     PullJob.objects.create(model=model, state=PullJob.State.RUNNING)
-    resp = api.post("/api/v1/models/pull/", {"name": "smollm2-135m-instruct"}, format="json")
+    resp = ops.post("/api/v1/models/pull/", {"name": "smollm2-135m-instruct"}, format="json")
     assert resp.status_code == 409
-    assert api.get("/api/v1/models/known/").json()[0]["name"] == "gemma-3-270m"
+    assert ops.get("/api/v1/models/known/").json()[0]["name"] == "gemma-3-270m"
 
 
 def test_gemma_fallback_template_renders_gemmas_turns():

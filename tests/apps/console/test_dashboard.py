@@ -43,7 +43,7 @@ async def test_others_are_refused(alice, async_client):
     assert not connected and code == 4403
 
 
-def test_only_staff_import_files_from_the_control_planes_disk(api, alice):
+def test_applications_cannot_import_files_from_the_control_planes_disk(api, alice):
     body = {"name": "x", "local_path": "/etc/passwd"}
     resp = api.post("/api/v1/models/pull/", body, format="json")
-    assert resp.status_code == 403 and "staff" in resp.json()["detail"]
+    assert resp.status_code == 403 and "operator" in resp.json()["detail"]

@@ -19,9 +19,9 @@ def state_of(name):
     return Deployment.objects.get(name=name).state
 
 
-def test_deploy_kill_redeploy_undeploy(api, smollm2_model, registered_agent, celery_worker_thread):
+def test_deploy_kill_redeploy_undeploy(ops, smollm2_model, registered_agent, celery_worker_thread):
     agent = registered_agent
-    resp = api.post(
+    resp = ops.post(
         "/api/v1/deployments/",
         {"model": "smollm2-135m-instruct", "context_length": 512, "parallel": 2},
         format="json",
@@ -37,31 +37,31 @@ def test_deploy_kill_redeploy_undeploy(api, smollm2_model, registered_agent, cel
     agent.heartbeat()
     d = Deployment.objects.get()
     assert d.state == "failed" and "SIGKILL" in d.error and "node-a" in d.error
-    body = api.get("/api/v1/deployments/smollm2-135m-instruct/").json()
+    body = ops.get("/api/v1/deployments/smollm2-135m-instruct/").json()
     assert body["replica_set"][0]["state"] == "failed"
     assert any("SIGKILL" in e["message"] for e in body["recent_events"])
 
     # Redeploy: a new replica replaces the failed one and serves.
-    assert api.post("/api/v1/deployments/smollm2-135m-instruct/redeploy/").status_code == 202
+    assert ops.post("/api/v1/deployments/smollm2-135m-instruct/redeploy/").status_code == 202
     wait_for(lambda: state_of("smollm2-135m-instruct") == "ready")
     live = Replica.objects.get(state="ready")
     assert live.pk != replica.pk
     wait_for(lambda: str(replica.pk) not in agent.agent.service.replicas)  # dead one cleared
 
     # Undeploy frees the memory on the node.
-    assert api.post("/api/v1/deployments/smollm2-135m-instruct/undeploy/").status_code == 202
+    assert ops.post("/api/v1/deployments/smollm2-135m-instruct/undeploy/").status_code == 202
     wait_for(lambda: state_of("smollm2-135m-instruct") == "stopped")
     assert not agent.agent.service.replicas
-    assert api.delete("/api/v1/deployments/smollm2-135m-instruct/").status_code == 204
+    assert ops.delete("/api/v1/deployments/smollm2-135m-instruct/").status_code == 204
 
 
 def test_without_nodes_it_waits_with_a_reason_then_deploys(
-    api, smollm2_model, agent, celery_worker_thread
+    ops, smollm2_model, agent, celery_worker_thread
 ):
     from apps.deployments.tasks import reconcile_all
     from apps.nodes.services import record_heartbeat
 
-    api.post(
+    ops.post(
         "/api/v1/deployments/",
         {"model": "smollm2-135m-instruct", "context_length": 256, "parallel": 1},
         format="json",
@@ -74,9 +74,9 @@ def test_without_nodes_it_waits_with_a_reason_then_deploys(
 
 
 def test_a_node_that_goes_quiet_fails_its_replicas(
-    api, smollm2_model, registered_agent, celery_worker_thread, settings
+    ops, smollm2_model, registered_agent, celery_worker_thread, settings
 ):
-    api.post(
+    ops.post(
         "/api/v1/deployments/",
         {"model": "smollm2-135m-instruct", "context_length": 256, "parallel": 1},
         format="json",
@@ -89,7 +89,7 @@ def test_a_node_that_goes_quiet_fails_its_replicas(
 
 
 def test_load_failure_says_which_node_and_why(
-    api, smollm2_model, registered_agent, celery_worker_thread
+    ops, smollm2_model, registered_agent, celery_worker_thread
 ):
     # The catalog says one thing, the file on the node is corrupt.
     path = smollm2_model.path
@@ -99,7 +99,7 @@ def test_load_failure_says_which_node_and_why(
     smollm2_model.size_bytes = 4_000_000  # same size: the agent loads it instead of fetching
     smollm2_model.save()
     try:
-        api.post(
+        ops.post(
             "/api/v1/deployments/",
             {"model": "smollm2-135m-instruct", "context_length": 256, "parallel": 1},
             format="json",
@@ -112,8 +112,8 @@ def test_load_failure_says_which_node_and_why(
         path.write_bytes(good)
 
 
-def test_bad_deployment_requests_are_refused(api, smollm2_model):
-    post = lambda body: api.post("/api/v1/deployments/", body, format="json")  # noqa: E731
+def test_bad_deployment_requests_are_refused(ops, smollm2_model):
+    post = lambda body: ops.post("/api/v1/deployments/", body, format="json")  # noqa: E731
     assert post({"model": "nope"}).status_code == 404
     r = post({"model": "smollm2-135m-instruct", "context_length": 100000})
     assert r.status_code == 400 and "8192" in r.json()["detail"]

@@ -29,8 +29,8 @@ def small_nodes(db):
     return [node(f"n{i}", 0.35) for i in range(3)]
 
 
-def preview(api, **body):
-    resp = api.post(
+def preview(ops, **body):
+    resp = ops.post(
         "/api/v1/deployments/plan/",
         {"model": "smollm2-135m-instruct", "context_length": 2048, "parallel": 4, **body},
         format="json",
@@ -39,20 +39,20 @@ def preview(api, **body):
     return resp.json()
 
 
-def test_preview_places_replicas_when_a_node_holds_the_model(api, smollm2_model, db):
+def test_preview_places_replicas_when_a_node_holds_the_model(ops, smollm2_model, db):
     node("big", 8)
     node("small", 0.1)
-    plan = preview(api, replicas=2)
+    plan = preview(ops, replicas=2)
     assert plan["kind"] == "replicas" and plan["error"] == ""
     assert [s["node"] for s in plan["stages"]] == ["big", "big"]
     assert plan["warnings"] == [] and "no split" in plan["reasons"][0]
     assert plan["stages"][0]["total_bytes"] == plan["needed_bytes"]
 
 
-def test_preview_splits_over_the_fewest_nodes_and_stores_nothing(api, smollm2_model, small_nodes):
+def test_preview_splits_over_the_fewest_nodes_and_stores_nothing(ops, smollm2_model, small_nodes):
     from apps.deployments.models import ShardPlan
 
-    plan = preview(api)
+    plan = preview(ops)
     assert plan["kind"] == "split" and plan["split_mode"] == "layer"
     assert len(plan["stages"]) in (2, 3)
     assert [s["role"] for s in plan["stages"]][0] == "head"
@@ -62,28 +62,28 @@ def test_preview_splits_over_the_fewest_nodes_and_stores_nothing(api, smollm2_mo
     assert not ShardPlan.objects.exists()
 
 
-def test_preview_refuses_with_numbers(api, smollm2_model, db):
+def test_preview_refuses_with_numbers(ops, smollm2_model, db):
     node("tiny", 0.05)
     node("tinier", 0.04)
-    plan = preview(api)
+    plan = preview(ops)
     assert plan["kind"] == "refused"
     assert "needs " in plan["error"] and "GiB" in plan["error"]
     assert "the largest feasible set of healthy nodes has 0.09 GiB" in plan["error"]
 
 
-def test_pins_and_forced_modes_are_checked(api, smollm2_model, small_nodes):
-    plan = preview(api, split_mode="tensor", pin_nodes=["n2", "n0", "n1"])
+def test_pins_and_forced_modes_are_checked(ops, smollm2_model, small_nodes):
+    plan = preview(ops, split_mode="tensor", pin_nodes=["n2", "n0", "n1"])
     assert plan["split_mode"] == "tensor" and [s["node"] for s in plan["stages"]] == [
         "n2", "n0", "n1",
     ]  # fmt: skip
     assert any("tensor parallel over RPC" in w for w in plan["warnings"])
-    resp = api.post(
+    resp = ops.post(
         "/api/v1/deployments/plan/",
         {"model": "smollm2-135m-instruct", "pin_nodes": ["nope"]},
         format="json",
     )
     assert resp.status_code == 400 and "nope" in resp.json()["detail"]
-    resp = api.post(
+    resp = ops.post(
         "/api/v1/deployments/",
         {"model": "smollm2-135m-instruct", "replicas": 2, "split_mode": "layer"},
         format="json",
@@ -91,25 +91,25 @@ def test_pins_and_forced_modes_are_checked(api, smollm2_model, small_nodes):
     assert resp.status_code == 400 and "replicas must be 1" in resp.json()["detail"]
 
 
-def test_a_deployment_keeps_its_plan_and_shows_it(api, smollm2_model, small_nodes):
+def test_a_deployment_keeps_its_plan_and_shows_it(ops, smollm2_model, small_nodes):
     from apps.deployments import services
 
     services.reconcile(
-        api.post("/api/v1/deployments/", {"model": "smollm2-135m-instruct"}, format="json").json()[
+        ops.post("/api/v1/deployments/", {"model": "smollm2-135m-instruct"}, format="json").json()[
             "id"
         ]
     )
-    d = api.get("/api/v1/deployments/smollm2-135m-instruct/").json()
+    d = ops.get("/api/v1/deployments/smollm2-135m-instruct/").json()
     plan = d["plan"]
     assert plan["kind"] == "split" and plan["reasons"] and len(plan["stages"]) >= 2
     assert [r["node"] for r in d["replica_set"]] == [plan["stages"][0]["node"]]
-    listed = api.get("/api/v1/deployments/smollm2-135m-instruct/plans/").json()
+    listed = ops.get("/api/v1/deployments/smollm2-135m-instruct/plans/").json()
     assert listed["results"][0]["id"] == plan["id"]
     events = " ".join(e["message"] for e in d["recent_events"])
     assert "layer split planned: head " in events
 
 
-def test_reported_accelerator_memory_takes_layers(api, smollm2_model, db, monkeypatch):
+def test_reported_accelerator_memory_takes_layers(ops, smollm2_model, db, monkeypatch):
     """Partial offload, planned from what the agent reports (here a fake accelerator: this
     machine has no GPU, and llama.cpp keeps the layers on the CPU anyway)."""
     from workers.agent import system
@@ -118,7 +118,7 @@ def test_reported_accelerator_memory_takes_layers(api, smollm2_model, db, monkey
     [fake] = system.accelerators()
     assert "fake" in fake and fake.endswith("40 MiB")
     node("gpu", 8, accelerators=[fake])
-    plan = preview(api, context_length=512, parallel=1)
+    plan = preview(ops, context_length=512, parallel=1)
     [stage] = plan["stages"]
     assert 0 < stage["n_gpu_layers"] < 30
     assert any("n_gpu_layers" in r for r in plan["reasons"])

@@ -166,14 +166,14 @@ def test_a_dead_stage_fails_the_split_naming_it_and_the_head_survives(
     assert head.stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).node_name == "head"
 
 
-def test_link_measurement_job_stores_what_agents_measure(head_and_stage, api, smollm2_model):
+def test_link_measurement_job_stores_what_agents_measure(head_and_stage, ops, smollm2_model):
     from apps.nodes.models import NodeLink
     from apps.nodes.services import measure_links
 
     assert measure_links() == 2  # head -> stage and stage -> head
     link = NodeLink.objects.get(source__name="head", target__name="stage")
     assert link.rtt_ms and 0 < link.rtt_ms < 100 and link.mbit_s > 10 and not link.error
-    listed = api.get("/api/v1/nodes/links/").json()["results"]
+    listed = ops.get("/api/v1/nodes/links/").json()["results"]
     assert {(x["source"], x["target"]) for x in listed} == {("head", "stage"), ("stage", "head")}
     # The planner sees them: no "not measured" warning between these two any more.
     from apps.deployments import placement

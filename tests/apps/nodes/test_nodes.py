@@ -44,7 +44,7 @@ def test_heartbeat_needs_the_node_token(settings, alice_key):
     assert ok.status_code == 200 and ok.json() == {"node": "gpu-box-1", "state": "ready"}
 
 
-def test_first_heartbeat_registers_and_later_ones_refresh(settings, api):
+def test_first_heartbeat_registers_and_later_ones_refresh(settings, ops):
     c = agent_client(settings.NODE_TOKEN)
     c.post("/api/v1/agent/heartbeat", REPORT, format="json")
     c.post(
@@ -52,7 +52,7 @@ def test_first_heartbeat_registers_and_later_ones_refresh(settings, api):
         REPORT | {"memory_available_bytes": 1234, "in_flight": 3, "load_average": 1.5},
         format="json",
     )
-    [node] = api.get("/api/v1/nodes/").json()["results"]
+    [node] = ops.get("/api/v1/nodes/").json()["results"]
     assert node["name"] == "gpu-box-1" and node["address"] == "10.0.0.5:50051"
     assert node["memory_available_bytes"] == 1234 and node["in_flight"] == 3
     assert node["cpu_cores"] == 16 and node["heartbeat_age_seconds"] < 5
@@ -76,13 +76,13 @@ def test_sweep_marks_quiet_nodes_unreachable_once(settings):
     assert node.state == Node.State.READY
 
 
-def test_drain_and_undrain_survive_heartbeats(settings, api):
+def test_drain_and_undrain_survive_heartbeats(settings, ops):
     agent_client(settings.NODE_TOKEN).post("/api/v1/agent/heartbeat", REPORT, format="json")
     assert APIClient().post("/api/v1/nodes/gpu-box-1/drain/").status_code in (401, 403)
-    drained = api.post("/api/v1/nodes/gpu-box-1/drain/")
+    drained = ops.post("/api/v1/nodes/gpu-box-1/drain/")
     assert drained.status_code == 200 and drained.json()["draining"] is True
     # The agent's next report refreshes liveness but leaves the operator's drain alone.
     agent_client(settings.NODE_TOKEN).post("/api/v1/agent/heartbeat", REPORT, format="json")
     assert Node.objects.get(name="gpu-box-1").draining is True
-    assert api.post("/api/v1/nodes/gpu-box-1/undrain/").json()["draining"] is False
-    assert api.post("/api/v1/nodes/nope/drain/").status_code == 404
+    assert ops.post("/api/v1/nodes/gpu-box-1/undrain/").json()["draining"] is False
+    assert ops.post("/api/v1/nodes/nope/drain/").status_code == 404

@@ -114,8 +114,10 @@ async def limited_key(alice, **limits) -> str:
 
 async def test_requests_per_minute_limit_answers_429_with_retry_after(two_replicas, alice):
     key = await limited_key(alice, requests_per_minute=2)
+    # A second key of the same application shares the count: more keys are not more quota.
+    other = await limited_key(alice, requests_per_minute=2)
     body = {"model": SMOLLM2, "messages": CHAT, "max_tokens": 1}
-    assert [(await post(key, body)).status_code for _ in range(2)] == [200, 200]
+    assert [(await post(k, body)).status_code for k in (key, other)] == [200, 200]
     over = await post(key, body)
     assert over.status_code == 429 and 1 <= int(over["Retry-After"]) <= 60
     error = over.json()["error"]

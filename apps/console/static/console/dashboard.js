@@ -58,9 +58,9 @@
       el("td", {}, n.reported_replicas.map((r) => el("div", {}, `${r.model_name}: ${r.state}, ${bytes(r.memory_bytes)}, ${r.in_flight} in flight`)),
         (n.rpc_servers || []).map((r) => el("div", { class: r.running ? "hint" : "hint error" }, `rpc server ${r.endpoint}: ${r.running ? "running" : r.error || "stopped"}`))),
       el("td", {}, n.draining
-        ? action("Undrain", () => api("POST", `/api/v1/nodes/${n.name}/undrain/`).then(() => `${n.name} takes work again`))
-        : action("Drain", () => api("POST", `/api/v1/nodes/${n.name}/drain/`).then(() => `${n.name} is draining: no new work, running requests finish`)),
-        action("Remove", () => api("DELETE", `/api/v1/nodes/${n.name}/`).then(() => `${n.name} removed`), "danger")),
+        ? action("Undrain", () => api("POST", `/api/v1/nodes/${encodeURIComponent(n.name)}/undrain/`).then(() => `${n.name} takes work again`))
+        : action("Drain", () => api("POST", `/api/v1/nodes/${encodeURIComponent(n.name)}/drain/`).then(() => `${n.name} is draining: no new work, running requests finish`)),
+        action("Remove", () => api("DELETE", `/api/v1/nodes/${encodeURIComponent(n.name)}/`).then(() => `${n.name} removed`), "danger")),
     )));
 
     const select = document.getElementById("deploy-model");
@@ -82,7 +82,7 @@
         el("td", {}, String(m.n_layers || "–")),
         el("td", {}, String(m.context_length || "–")),
         el("td", {}, progress),
-        el("td", {}, action("Delete", () => api("DELETE", `/api/v1/models/${m.name}/`).then(() => `${m.name} deleted`), "danger")),
+        el("td", {}, action("Delete", () => api("DELETE", `/api/v1/models/${encodeURIComponent(m.name)}/`).then(() => `${m.name} deleted`), "danger")),
       );
     }));
 
@@ -95,11 +95,11 @@
         el("td", {}, d.model),
         el("td", { class: "state " + d.state }, d.state),
         el("td", {}, d.replica_set.map((r) => el("div", {}, `${r.node || "?"}: ${r.state}`)), scale,
-          action("Scale", () => api("POST", `/api/v1/deployments/${d.name}/scale/`, { replicas: Number(scale.value) }).then(() => `${d.name}: scaling to ${scale.value}`))),
+          action("Scale", () => api("POST", `/api/v1/deployments/${encodeURIComponent(d.name)}/scale/`, { replicas: Number(scale.value) }).then(() => `${d.name}: scaling to ${scale.value}`))),
         el("td", {}, `${d.parallel} × ${d.context_length}`),
         el("td", {}, `${d.routing_policy}, ${d.batching}`),
         el("td", {}, figures),
-        el("td", {}, action("Undeploy", () => api("POST", `/api/v1/deployments/${d.name}/undeploy/`).then(() => `${d.name}: undeploying`), "danger")),
+        el("td", {}, action("Undeploy", () => api("POST", `/api/v1/deployments/${encodeURIComponent(d.name)}/undeploy/`).then(() => `${d.name}: undeploying`), "danger")),
       );
     }));
   }
@@ -114,7 +114,7 @@
   async function keys() {
     const data = await api("GET", "/api/v1/api-keys/");
     fill("keys", data.results.filter((k) => !k.revoked_at).map((k) => el("tr", {},
-      el("td", {}, k.name), el("td", {}, k.app || ""), el("td", {}, k.prefix + "…"),
+      el("td", {}, k.name), el("td", {}, k.owner), el("td", {}, k.app || ""), el("td", {}, k.prefix + "…"),
       el("td", {}, k.created_at.slice(0, 16).replace("T", " ")),
       el("td", {}, k.last_used_at ? k.last_used_at.slice(0, 16).replace("T", " ") : "never"),
       el("td", {}, action("Revoke", () => api("DELETE", `/api/v1/api-keys/${k.id}/`).then(() => { keys(); return `${k.name} revoked`; }), "danger")),

@@ -1,0 +1,333 @@
+"""The OpenAI-compatible request bodies, declared once: they validate every request (HTTP and
+websocket) and feed the OpenAPI schema. Fields we do not implement yet are declared so that a
+non-default value is refused by name, never silently ignored."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from apps.serving.services import GenerationParams, ServingError
+
+#: A model's name: printable (it reaches the database and, once served, a metrics label).
+Name = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+Stop = Annotated[str, Field(min_length=1, max_length=1000)]
+INT64 = 2**63
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart] | None = None
+    name: Annotated[str, Field(max_length=256)] | None = None
+    # What the SDK echoes back from an assistant message; must stay empty until tool calls.
+    refusal: str | None = None
+    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: Name
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=1000)] | None = Field(None, description="llama.cpp's")
+    repeat_penalty: Annotated[float, Field(ge=0, le=10)] | None = Field(
+        None, description="llama.cpp's repetition penalty"
+    )
+    seed: Annotated[int, Field(ge=-INT64, lt=2**64)] | None = Field(
+        None, description="Fixed seed for sampling; -1 (as in llama.cpp) means a random one."
+    )
+    stop: Stop | Annotated[list[Stop], Field(max_length=4)] | None = None
+    n: Literal[1] | None = Field(None, description="Only 1 is supported.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_prompt: bool = Field(
+        True, description="llama.cpp's: reuse the cached prefix of an earlier prompt."
+    )
+    user: Annotated[str, Field(max_length=256)] | None = None
+    presence_penalty: Literal[0] | None = Field(None, description="Only 0 is supported.")
+    frequency_penalty: Literal[0] | None = Field(None, description="Only 0 is supported.")
+    logit_bias: Annotated[dict[str, Any], Field(max_length=0)] | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _zero(cls, v):
+        return 0 if isinstance(v, float) and v == 0 else v
+
+    def params(self, **fields) -> GenerationParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return GenerationParams(
+            model=self.model,
+            max_tokens=self.max_tokens or 0,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
+            seed=None if self.seed in (None, -1) else self.seed % 2**64,
+            stop=stop,
+            cache_prompt=self.cache_prompt,
+            **fields,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ResponseFormatText(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[Message], Field(min_length=1, max_length=4096)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    response_format: ResponseFormatText | None = Field(
+        None, description="Only text for now: structured outputs are not implemented yet."
+    )
+    tools: Annotated[list[Any], Field(max_length=0)] | None = Field(
+        None, description="Not implemented yet: must be absent or empty."
+    )
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: Literal[False] | None = Field(None, description="Not implemented yet.")
+
+    def generation(self) -> GenerationParams:
+        params = self.params(
+            messages=[
+                {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages
+            ]
+        )
+        params.max_tokens = self.max_completion_tokens or params.max_tokens
+        return params
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    )
+    echo: Literal[False] | None = None
+    suffix: None = None
+    best_of: Literal[1] | None = None
+    logprobs: None = Field(None, description="Not implemented yet.")
+
+    def generation(self) -> GenerationParams:
+        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        return self.params(prompt=prompt)
+
+
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings."""
+
+    model: Name
+    input: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=2048)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: None = Field(None, description="Not supported: the model's own size is returned.")
+    user: Annotated[str, Field(max_length=256)] | None = None
+
+    @property
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class GenerateMessage(ChatCompletionRequest):
+    """A websocket `generate` frame: a chat (messages) or a completion (prompt)."""
+
+    type: Literal["generate"]
+    id: Annotated[str, Field(min_length=1, max_length=128)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=4096)] | None = None
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+
+    def generation(self) -> GenerationParams:
+        if (self.messages is None) == (self.prompt is None):
+            raise ServingError(400, "give either 'messages' or 'prompt'", param="messages")
+        if self.prompt is not None:
+            return self.params(prompt=self.prompt)
+        return super().generation()
+
+
+class CancelMessage(_Strict):
+    type: Literal["cancel"]
+    id: Annotated[str, Field(min_length=1, max_length=128)]
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
+
+
+def _param(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or "-" in part or part.split("[")[0].lower() in _TYPE_NAMES:
+            break  # pydantic names the union member it tried; the field is what matters
+        else:
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+def bad_request(exc: ValidationError) -> ServingError:
+    """The first problem of a validation error, in OpenAI's 400 shape with `param` set."""
+    err = exc.errors(include_url=False, include_input=False)[0]
+    param = _param(err["loc"])
+    if err["type"] == "extra_forbidden":
+        return ServingError(400, f"Unrecognized request argument supplied: {param}", param=param)
+    if err["type"] == "missing":
+        return ServingError(400, f"'{param}' is required", param=param)
+    message = err["msg"]
+    names = [part.split("[")[0] for part in param.split(".")]
+    unsupported = next((_UNSUPPORTED[n] for n in names if n in _UNSUPPORTED), None)
+    if unsupported and err["type"] in ("literal_error", "too_long", "none_required"):
+        message = f"{unsupported} ({message})"
+    elif names[-1] == "content":
+        message = f"content must be a string or a list of text parts ({message})"
+    return ServingError(400, f"'{param}': {message}", param=param)
+
+
+_UNSUPPORTED = {
+    "n": "only n=1 is supported",
+    "logprobs": "logprobs are not implemented yet",
+    "tools": "tool calls are not implemented yet",
+    "tool_choice": "tool calls are not implemented yet",
+    "tool_calls": "tool calls are not implemented yet",
+    "response_format": "only the text response format is implemented yet",
+    "presence_penalty": "only 0 is supported; use repeat_penalty",
+    "frequency_penalty": "only 0 is supported; use repeat_penalty",
+    "logit_bias": "logit_bias is not implemented",
+    "echo": "echo is not implemented",
+    "best_of": "only best_of=1 is supported",
+    "suffix": "suffix is not implemented",
+    "dimensions": "dimensions is not supported: the model's own size is returned",
+}
+
+
+def parse(model: type[BaseModel], body):
+    """Validate a parsed JSON body against a request model; ServingError 400 otherwise."""
+    if not isinstance(body, dict):
+        raise ServingError(400, "the body must be a JSON object", param="body")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise bad_request(exc) from None
+
+
+# ---- responses (for the OpenAPI schema; the views build the same shapes) ----------------------
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+    system_fingerprint: str
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: None
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: CompletionUsage
+    system_fingerprint: str
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(description="floats, or base64 of float32s")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[Model]
