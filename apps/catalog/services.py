@@ -105,7 +105,11 @@ def run_pull(job_id: int, on_progress=None) -> PullJob:
     if not claimed:
         return job  # another worker got there first, or it already ran
     model = job.model
-    CatalogModel.objects.filter(pk=model.pk).update(state=CatalogModel.State.PULLING, error="")
+    # A model that serves keeps serving while it is pulled again: its file stays until the new
+    # one is verified and swapped in (os.replace), and a failed re-pull leaves it as it was.
+    serving = model.state == CatalogModel.State.READY and model.path.exists()
+    if not serving:
+        CatalogModel.objects.filter(pk=model.pk).update(state=CatalogModel.State.PULLING, error="")
     progress = _ProgressWriter(job.pk, on_progress)
     store = Path(settings.MODEL_STORE_DIR)
     store.mkdir(parents=True, exist_ok=True)
@@ -123,15 +127,17 @@ def run_pull(job_id: int, on_progress=None) -> PullJob:
             meta = read_metadata(out)
             final = store_path(sha)
             os.replace(out, final)
-    except (sources.SourceError, BadGGUF, OSError) as exc:
-        message = str(exc)
-        log.warning("pull of %s failed: %s", model.name, message)
+    except Exception as exc:  # whatever it was (a timeout, a bad zip, a time limit): a final state
+        expected = isinstance(exc, (sources.SourceError, BadGGUF, OSError))
+        message = str(exc) if expected else f"{type(exc).__name__}: {exc}"
+        log.warning("pull of %s failed: %s", model.name, message, exc_info=not expected)
         PullJob.objects.filter(pk=job.pk).update(
             state=PullJob.State.FAILED, error=message, finished_at=timezone.now()
         )
-        CatalogModel.objects.filter(pk=model.pk).update(
-            state=CatalogModel.State.FAILED, error=message
-        )
+        if not serving:
+            CatalogModel.objects.filter(pk=model.pk).update(
+                state=CatalogModel.State.FAILED, error=message
+            )
         job.refresh_from_db()
         return job
     CatalogModel.objects.filter(pk=model.pk).update(

@@ -144,6 +144,9 @@ class Replica(models.Model):
         PENDING = "pending"
         LOADING = "loading"
         READY = "ready"
+        #: Was ready on a node that went quiet: not routed, not freed, re-adopted if the agent
+        #: comes back still holding it (a control-plane or network blip), failed otherwise.
+        UNREACHABLE = "unreachable"
         FAILED = "failed"
         STOPPING = "stopping"
         STOPPED = "stopped"

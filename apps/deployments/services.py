@@ -193,14 +193,15 @@ def reconcile(deployment_id: int) -> None:
     with transaction.atomic():
         d = Deployment.objects.select_for_update().select_related("model").get(pk=deployment_id)
         if d.state in (D.STOPPING, D.STOPPED):
-            to_stop = list(d.replica_set.filter(state__in=Replica.LIVE + (S.FAILED,)))
+            to_stop = list(d.replica_set.filter(state__in=Replica.LIVE + (S.UNREACHABLE, S.FAILED)))
             Replica.objects.filter(pk__in=[r.pk for r in to_stop]).update(state=S.STOPPING)
             for r in to_stop:
                 transaction.on_commit(lambda r=r: free_replica.delay(str(r.pk)))
             refresh_state(d)
             return
         # Failed replicas keep their place until someone redeploys: no silent restart loops.
-        current = d.replica_set.filter(state__in=Replica.LIVE + (S.FAILED,))
+        # Unreachable ones keep it while their node may come back with them.
+        current = d.replica_set.filter(state__in=Replica.LIVE + (S.UNREACHABLE, S.FAILED))
         missing = d.replicas - current.count()
         if missing > 0:
             plan = placement.plan_for(d, missing)
@@ -219,7 +220,7 @@ def reconcile(deployment_id: int) -> None:
             Deployment.objects.filter(pk=d.pk).update(error=why and f"waiting for capacity: {why}")
         elif missing < 0:
             # Drop the least useful first: failed, then not yet ready, then the newest.
-            rank = {S.FAILED: 0, S.PENDING: 1, S.LOADING: 2, S.READY: 3}
+            rank = {S.FAILED: 0, S.UNREACHABLE: 1, S.PENDING: 2, S.LOADING: 3, S.READY: 4}
             extra = sorted(current, key=lambda r: (rank[r.state], -r.created_at.timestamp()))[
                 :-missing
             ]
@@ -258,8 +259,8 @@ def refresh_state(d: Deployment) -> str:
         state = D.STOPPING if busy else D.STOPPED
     elif ready >= d.replicas:
         state, error = D.READY, ""
-    elif ready:
-        state = D.DEGRADED
+    elif ready or counts.get(S.UNREACHABLE, 0):
+        state = D.DEGRADED  # unreachable replicas may come back
     elif counts.get(S.PENDING, 0) or counts.get(S.LOADING, 0):
         state = D.DEPLOYING
     elif counts.get(S.FAILED, 0):
@@ -267,8 +268,12 @@ def refresh_state(d: Deployment) -> str:
     else:
         state = D.PENDING  # waiting for capacity
     if state in (D.DEGRADED, D.FAILED):
-        # The deployment's error is that of its most recently failed replica.
-        last = d.replica_set.filter(state=S.FAILED).order_by("-updated_at").first()
+        # The deployment's error is that of its most recently failed (or lost) replica.
+        last = (
+            d.replica_set.filter(state__in=(S.FAILED, S.UNREACHABLE))
+            .order_by("-updated_at")
+            .first()
+        )
         error = last.error if last else error
     if state != d.state or error != d.error:
         Deployment.objects.filter(pk=d.pk).update(state=state, error=error)
@@ -554,6 +559,7 @@ def apply_agent_report(node: Node, reported: list[dict]) -> None:
     from apps.deployments.tasks import free_on_node
 
     by_id = {r["replica_id"]: r for r in reported if _is_uuid(r["replica_id"])}
+    _readopt(node, by_id)
     for r in Replica.objects.filter(node=node, state=S.READY).select_related("node", "plan"):
         seen = by_id.get(str(r.pk))
         if seen is None:
@@ -570,7 +576,7 @@ def apply_agent_report(node: Node, reported: list[dict]) -> None:
     wanted = {
         str(pk)
         for pk in Replica.objects.filter(
-            node=node, pk__in=list(by_id), state__in=(S.PENDING, S.LOADING, S.READY)
+            node=node, pk__in=list(by_id), state__in=(*Replica.LIVE, S.UNREACHABLE)
         ).values_list("pk", flat=True)
     }
     for replica_id, seen in by_id.items():
@@ -594,6 +600,40 @@ def apply_agent_report(node: Node, reported: list[dict]) -> None:
             )
 
 
+def _readopt(node: Node, by_id: dict[str, dict]) -> None:
+    """Replicas lost with a node (or with a stage node) that the agent still holds ready serve
+    again, once every node of their plan reports; the others on this node have failed."""
+    for r in Replica.objects.filter(node=node, state=S.UNREACHABLE).select_related("node", "plan"):
+        seen = by_id.get(str(r.pk))
+        if seen is None or seen["state"] != "ready":
+            why = "held it no more" if seen is None else f"reports it {seen['state']}"
+            fail_replica(r, f"node {node.name} came back but {why}", (S.UNREACHABLE,))
+            continue
+        quiet = (
+            r.plan.stages.exclude(node__state=Node.State.READY).values_list("node_name", flat=True)
+            if r.plan_id
+            else []
+        )
+        if quiet:
+            continue  # a stage node is still out: wait for it
+        if Replica.objects.filter(pk=r.pk, state=S.UNREACHABLE).update(state=S.READY, error=""):
+            d = Deployment.objects.get(pk=r.deployment_id)
+            record_event(d, f"replica on {node.name} re-adopted: its node is back", replica=r)
+            refresh_state(d)
+
+
+def mark_unreachable(replica: Replica, why: str) -> bool:
+    """A ready replica whose node (or stage node) went quiet: out of routing, kept in memory."""
+    changed = Replica.objects.filter(pk=replica.pk, state=S.READY).update(
+        state=S.UNREACHABLE, error=why, updated_at=timezone.now()
+    )
+    if changed:
+        d = Deployment.objects.get(pk=replica.deployment_id)
+        record_event(d, f"replica on {replica.node.name} unreachable: {why}", "warning", replica)
+        refresh_state(d)
+    return bool(changed)
+
+
 def _live_stages_on(node: Node):
     return PlanStage.objects.filter(
         node=node, role=PlanStage.Role.STAGE, plan__replicas__state__in=Replica.LIVE
@@ -609,17 +649,20 @@ def _is_uuid(value: str) -> bool:
 
 
 def node_lost(node: Node, since) -> None:
-    """A node went quiet: what it held cannot serve, nor the splits it was a stage of."""
+    """A node went quiet and does not answer: what it held cannot serve, nor the splits it was
+    a stage of. Ready replicas become unreachable (kept, re-adopted if the node comes back with
+    them); ones still loading fail."""
+    why = f"node {node.name} stopped sending heartbeats (last at {since:%H:%M:%S} UTC)"
     for r in Replica.objects.filter(node=node, state__in=Replica.LIVE).select_related(
         "node", "plan"
     ):
-        fail_replica(
-            r, f"node {node.name} stopped sending heartbeats (last at {since:%H:%M:%S} UTC)"
-        )
+        if not mark_unreachable(r, why):
+            fail_replica(r, why)
     for st in _live_stages_on(node):
+        stage_why = (
+            f"stage node {node.name} (layers {st.layer_start}-{st.layer_end - 1}) stopped "
+            f"sending heartbeats (last at {since:%H:%M:%S} UTC)"
+        )
         for r in st.plan.replicas.filter(state__in=Replica.LIVE).select_related("node", "plan"):
-            fail_replica(
-                r,
-                f"stage node {node.name} (layers {st.layer_start}-{st.layer_end - 1}) stopped "
-                f"sending heartbeats (last at {since:%H:%M:%S} UTC)",
-            )
+            if not mark_unreachable(r, stage_why):
+                fail_replica(r, stage_why)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 from django.conf import settings
@@ -14,6 +15,9 @@ from apps.nodes.signals import node_lost, node_reported
 from controlplane.errors import Conflict, DomainError
 
 log = logging.getLogger(__name__)
+
+#: Seconds the sweep waits for a quiet node's agent to answer before calling it unreachable.
+PROBE_TIMEOUT = 3.0
 
 _STATE_NAMES = {
     "REPLICA_STATE_LOADING": "loading",
@@ -81,20 +85,59 @@ def record_heartbeat(payload: dict) -> Node:
 
 
 def sweep_stale_nodes() -> list[str]:
-    """Mark nodes unreachable when their heartbeats stopped; returns their names."""
+    """Mark nodes unreachable when their heartbeats stopped and they do not answer a direct
+    probe either; returns their names.
+
+    Silence alone is not proof: when the web process or the database was out, heartbeats did
+    not reach us although every agent serves on. A node whose agent answers GetStatus is
+    refreshed from that answer (as a heartbeat would) and keeps everything it holds.
+    """
     cutoff = timezone.now() - timedelta(seconds=settings.HEARTBEAT_TIMEOUT_SECONDS)
+    stale = list(Node.objects.filter(state=Node.State.READY, last_heartbeat_at__lt=cutoff))
+    if not stale:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(stale))) as pool:
+        answers = list(pool.map(_probe, stale))
     lost = []
-    for node in Node.objects.filter(state=Node.State.READY, last_heartbeat_at__lt=cutoff):
+    for node, answer in zip(stale, answers, strict=True):
+        if answer is not None:
+            log.warning(
+                "node %s answered the sweep's probe: its heartbeats did not reach us", node.name
+            )
+            record_heartbeat(answer)
+            continue
         with transaction.atomic():
             # Conditional update: another sweeper (or a fresh heartbeat) may have got there first.
             claimed = Node.objects.filter(
                 pk=node.pk, state=Node.State.READY, last_heartbeat_at__lt=cutoff
             ).update(state=Node.State.UNREACHABLE)
             if claimed:
-                log.warning("node %s stopped sending heartbeats", node.name)
+                log.warning("node %s stopped sending heartbeats and does not answer", node.name)
                 node_lost.send(sender=Node, node=node, since=node.last_heartbeat_at)
                 lost.append(node.name)
     return lost
+
+
+def _probe(node: Node) -> dict | None:
+    """The agent's status as a heartbeat payload, asked directly; None if it does not answer."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    from apps.nodes import agent_client
+
+    try:
+        status = agent_client.stub(node.address).GetStatus(
+            pb.GetStatusRequest(), metadata=agent_client.metadata(), timeout=PROBE_TIMEOUT
+        )
+    except grpc.RpcError:
+        return None
+    payload = MessageToDict(
+        status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    if payload.get("node_name") != node.name:
+        return None  # another agent now answers at that address
+    return payload | {"address": node.address}
 
 
 def remove_node(node: Node) -> None:

@@ -4,6 +4,7 @@ non-default value is refused by name, never silently ignored."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -96,13 +97,40 @@ class ResponseFormatText(_Strict):
     type: Literal["text"]
 
 
+class ResponseFormatJSONObject(_Strict):
+    """Any JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JSONSchemaSpec(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Annotated[str, Field(max_length=4096)] | None = None
+    schema_: dict[str, Any] = Field(
+        default_factory=dict, alias="schema", description="The JSON schema the answer matches."
+    )
+    strict: bool | None = None
+
+
+class ResponseFormatJSONSchema(_Strict):
+    """The answer matches the schema: decoded under a grammar made from it."""
+
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[Message], Field(min_length=1, max_length=4096)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
-    response_format: ResponseFormatText | None = Field(
-        None, description="Only text for now: structured outputs are not implemented yet."
+    response_format: (
+        ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema | None
+    ) = Field(
+        None,
+        discriminator="type",
+        description="Structured outputs: decoded under a grammar (llama.cpp's), so the answer "
+        "always parses, and matches the schema.",
     )
     tools: Annotated[list[Any], Field(max_length=0)] | None = Field(
         None, description="Not implemented yet: must be absent or empty."
@@ -119,6 +147,11 @@ class ChatCompletionRequest(_Sampling):
             ]
         )
         params.max_tokens = self.max_completion_tokens or params.max_tokens
+        fmt = self.response_format
+        if isinstance(fmt, ResponseFormatJSONObject):
+            params.json_schema = '{"type": "object"}'
+        elif isinstance(fmt, ResponseFormatJSONSchema):
+            params.json_schema = json.dumps(fmt.json_schema.schema_ or {"type": "object"})
         return params
 
 
@@ -183,6 +216,8 @@ _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
 
 
 def _param(loc: tuple) -> str:
+    if loc[:1] == ("response_format",) and len(loc) > 2:
+        loc = loc[:1] + loc[2:]  # pydantic names the tagged union's member (its "type") next
     out = ""
     for part in loc:
         if isinstance(part, int):
@@ -218,7 +253,7 @@ _UNSUPPORTED = {
     "tools": "tool calls are not implemented yet",
     "tool_choice": "tool calls are not implemented yet",
     "tool_calls": "tool calls are not implemented yet",
-    "response_format": "only the text response format is implemented yet",
+    "response_format": "response_format is text, json_object or json_schema",
     "presence_penalty": "only 0 is supported; use repeat_penalty",
     "frequency_penalty": "only 0 is supported; use repeat_penalty",
     "logit_bias": "logit_bias is not implemented",

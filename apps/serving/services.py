@@ -92,6 +92,7 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     repeat_penalty: float = 1.0
     cache_prompt: bool = True  # llama-server's name: reuse a cached prefix of the prompt
+    json_schema: str = ""  # structured output: the schema the answer must match, as JSON
 
     def to_request(
         self, replica_id: str, request_id: str, resume: pb.Continuation | None = None
@@ -101,6 +102,7 @@ class GenerationParams:
             request_id=request_id,
             messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in self.messages],
             prompt=self.prompt,
+            json_schema=self.json_schema,
             max_tokens=self.max_tokens,
             sampling=pb.SamplingParams(
                 temperature=self.temperature,
@@ -185,6 +187,8 @@ def _error_from_rpc(exc: grpc.aio.AioRpcError) -> ServingError:
     code = agent_client.error_code(exc)
     if code == "CONTEXT_LENGTH_EXCEEDED":
         return ServingError(400, exc.details(), code="context_length_exceeded", param="messages")
+    if code == "INVALID_SCHEMA":
+        return ServingError(400, exc.details(), code="invalid_schema", param="response_format")
     if code == "INVALID_ARGUMENT":
         return ServingError(400, exc.details())
     if code == "OVERLOADED":

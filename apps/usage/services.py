@@ -266,14 +266,18 @@ async def _check(caller: Caller, request_id: str) -> None:
                 max(int(end.timestamp() - now), 1),
             )
     if caller.requests_per_minute is not None:
-        key = f"llamafleet:rpm:app:{caller.user_id}"
-        pipe = r.pipeline(transaction=False)
-        pipe.zremrangebyscore(key, 0, now - 60)
-        pipe.zcard(key)
-        pipe.zrange(key, 0, 0, withscores=True)
-        _, count, oldest = await pipe.execute()
-        if count >= caller.requests_per_minute:
-            wait = math.ceil(oldest[0][1] + 60 - now) if oldest else 60
+        # Check and count in one step (a script runs atomically): parallel requests cannot
+        # all see room for one more.
+        admitted, oldest = await r.eval(
+            _RPM_SCRIPT,
+            1,
+            f"llamafleet:rpm:app:{caller.user_id}",
+            now,
+            caller.requests_per_minute,
+            request_id,
+        )
+        if not int(admitted):
+            wait = math.ceil(float(oldest) + 60 - now)
             raise QuotaExceeded(
                 "rate_limit_error",
                 "rate_limit_exceeded",
@@ -281,10 +285,20 @@ async def _check(caller: Caller, request_id: str) -> None:
                 "across its application's keys",
                 max(wait, 1),
             )
-        pipe = r.pipeline(transaction=False)
-        pipe.zadd(key, {request_id: now})
-        pipe.expire(key, 61)
-        await pipe.execute()
+
+
+#: A sliding 60 s window: drop old entries; refuse when full (with the oldest entry's time),
+#: else add this request.
+_RPM_SCRIPT = """
+redis.call('zremrangebyscore', KEYS[1], 0, tonumber(ARGV[1]) - 60)
+if redis.call('zcard', KEYS[1]) >= tonumber(ARGV[2]) then
+  local oldest = redis.call('zrange', KEYS[1], 0, 0, 'WITHSCORES')
+  return {0, oldest[2] or ARGV[1]}
+end
+redis.call('zadd', KEYS[1], ARGV[1], ARGV[3])
+redis.call('expire', KEYS[1], 61)
+return {1, '0'}
+"""
 
 
 async def consume_tokens(caller: Caller | None, tokens: int) -> None:

@@ -39,6 +39,38 @@ def test_openai_sdk_streams_the_same_text_as_llama_in_process(stack, reference_t
     assert "".join(pieces) == reference_text(CHAT, 48)
 
 
+def test_openai_sdk_parses_a_structured_output_into_a_pydantic_model(stack):
+    import openai
+    from openai import OpenAI
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    client = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["key"])
+    reply = client.chat.completions.parse(
+        model=SMOLLM2,
+        messages=[{"role": "user", "content": "Name a city and its country, as JSON."}],
+        response_format=City,
+        temperature=0,
+        max_tokens=80,
+    )
+    city = reply.choices[0].message.parsed
+    assert isinstance(city, City) and city.name and reply.choices[0].finish_reason == "stop"
+    # A schema the grammar cannot express: a 400 naming response_format, before any token.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=SMOLLM2,
+            messages=CHAT,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}},
+            },
+        )
+    assert err.value.code == "invalid_schema" and err.value.param == "response_format"
+
+
 def test_openai_sdk_embeddings_equal_llama_in_process(stack, smollm2_path):
     from llama_cpp import LLAMA_POOLING_TYPE_MEAN, Llama
     from openai import OpenAI

@@ -439,3 +439,50 @@ def test_new_prompts_join_running_sequences_in_the_same_decode(smollm2_path):
             e.step()
     finally:
         e.close()
+
+
+# ---- structured outputs -----------------------------------------------------------------------
+
+
+def test_a_json_schema_grammar_shapes_the_output(engine):
+    import json
+
+    from pydantic import BaseModel
+
+    from workers.engine.core import grammar_for_schema
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    schema = json.dumps(Person.model_json_schema())
+    prompt = chat_tokens(engine, [{"role": "user", "content": "Describe a person as JSON."}])
+    texts, done, errors = run(
+        engine,
+        [
+            Request(
+                f"j{i}",
+                prompt,
+                60,
+                Sampling(temperature=t, seed=i, grammar=grammar_for_schema(schema)),
+            )
+            for i, t in enumerate((0.0, 0.9, 0.9))
+        ]
+        + [Request("free", prompt, 20, Sampling(temperature=0.0))],  # in the same batches
+    )
+    assert not errors
+    for i in range(3):
+        assert done[f"j{i}"][2] == "stop", texts[f"j{i}"]  # the grammar ended it, not the limit
+        Person.model_validate_json(texts[f"j{i}"])  # parses and matches
+    assert not texts["free"].lstrip().startswith("{")  # the others are not constrained
+
+
+def test_a_schema_the_grammar_cannot_express_is_refused_by_name(engine):
+    from workers.engine.core import grammar_for_schema
+
+    with pytest.raises(EngineError) as err:
+        grammar_for_schema('{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}')
+    assert err.value.code == "INVALID_SCHEMA" and "nowhere" in err.value.message
+    with pytest.raises(EngineError) as err:
+        engine.submit(Request("g", [1, 2], 5, Sampling(grammar="root ::= (")))
+    assert err.value.code == "INVALID_SCHEMA"

@@ -38,6 +38,7 @@ _FINISH = {
 _STATUS = {
     "CONTEXT_LENGTH_EXCEEDED": grpc.StatusCode.INVALID_ARGUMENT,
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "INVALID_SCHEMA": grpc.StatusCode.INVALID_ARGUMENT,
     "REPLICA_NOT_FOUND": grpc.StatusCode.NOT_FOUND,
     "ENGINE_FAILED": grpc.StatusCode.UNAVAILABLE,
     "BAD_MODEL_FILE": grpc.StatusCode.FAILED_PRECONDITION,
@@ -307,4 +308,5 @@ def inference_payload(request: pb.InferenceRequest) -> dict:
         "resume_tokens": list(request.resume.token_ids),
         "delivered_bytes": request.resume.delivered_bytes,
         "cache_prompt": not request.no_prompt_cache,
+        "json_schema": request.json_schema,
     }

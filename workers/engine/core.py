@@ -48,6 +48,7 @@ class Sampling:
     min_p: float = 0.05
     seed: int | None = None
     repeat_penalty: float = 1.0
+    grammar: str = ""  # GBNF the output must match (structured outputs); "" for none
 
 
 @dataclass
@@ -313,6 +314,8 @@ class BatchEngine:
             )
         if len(self.waiting) >= self.max_queue:
             raise EngineError("OVERLOADED", f"the queue of this replica is full ({self.max_queue})")
+        if req.sampling.grammar:
+            L.llama_sampler_free(self._grammar_sampler(req.sampling.grammar))  # parses, or 400
         self.waiting.append(req)
 
     def cancel(self, request_id: str) -> list[tuple]:
@@ -340,8 +343,18 @@ class BatchEngine:
             },
         )
 
+    def _grammar_sampler(self, grammar: str):
+        sampler = L.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
+        if not sampler:
+            raise EngineError("INVALID_SCHEMA", "llama.cpp could not parse the output grammar")
+        return sampler
+
     def _new_sampler(self, s: Sampling):
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        if s.grammar:
+            # First: later samplers see only tokens the grammar allows. Its state advances
+            # with every accepted token, replayed ones (a migrated stream) included.
+            L.llama_sampler_chain_add(chain, self._grammar_sampler(s.grammar))
         # Mirrors llama-cpp-python's Llama._init_sampler so that results match it.
         if s.repeat_penalty and s.repeat_penalty != 1.0:
             L.llama_sampler_chain_add(
@@ -668,3 +681,19 @@ class BatchEngine:
         L.llama_batch_free(self.batch)
         L.llama_free(self.ctx)
         L.llama_model_free(self.model)
+
+
+def grammar_for_schema(schema_json: str) -> str:
+    """GBNF for a JSON schema (llama.cpp's converter, as llama-server uses); EngineError
+    INVALID_SCHEMA naming what it could not express."""
+    import json
+
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    try:
+        json.loads(schema_json)
+        return json_schema_to_gbnf(schema_json)
+    except Exception as exc:  # the converter raises ValueError, KeyError, NotImplementedError
+        raise EngineError(
+            "INVALID_SCHEMA", f"the JSON schema cannot be expressed as a grammar: {exc}"
+        ) from None

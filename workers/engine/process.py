@@ -144,7 +144,12 @@ def child_main(conn, config: EngineConfig) -> None:
     _quiet_llama_logs()
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    from workers.engine.core import BatchEngine, Request, Sampling
+    from workers.engine.core import (
+        BatchEngine,
+        Request,
+        Sampling,
+        grammar_for_schema,
+    )
 
     started = time.monotonic()
     try:
@@ -196,7 +201,9 @@ def child_main(conn, config: EngineConfig) -> None:
                 _, rid, payload = msg
                 try:
                     tokens = _build_prompt(engine, formatter, payload)
-                    s = payload.get("sampling") or {}
+                    s = dict(payload.get("sampling") or {})
+                    if payload.get("json_schema"):
+                        s["grammar"] = grammar_for_schema(payload["json_schema"])
                     engine.submit(
                         Request(
                             request_id=rid,

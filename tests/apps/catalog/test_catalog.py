@@ -71,6 +71,26 @@ def test_import_local_file_and_refuse_a_corrupt_one(settings, tmp_path, smollm2_
     assert bad.state == "failed" and "truncated" in bad.error
     assert bad.pulls.get().state == PullJob.State.FAILED
     assert not list((tmp_path / "store").glob(".pull-*"))  # nothing half-written is left
+    # Pulling a serving model again, from a file that turns out corrupt: it keeps serving.
+    with pytest.raises(CommandError, match="truncated"):
+        call_command("pull_model", "my-model", "--path", str(corrupt))
+    model.refresh_from_db()
+    assert model.state == "ready" and model.path.exists()
+    assert model.pulls.order_by("-pk").first().state == PullJob.State.FAILED
+
+
+def test_a_pull_ends_in_a_final_state_whatever_its_fetch_raises(settings, tmp_path, monkeypatch):
+    from apps.catalog import sources
+
+    settings.MODEL_STORE_DIR = tmp_path / "store"
+
+    def boom(*args, **kwargs):
+        raise KeyError("a bad zip member")  # not a SourceError: an unexpected failure
+
+    monkeypatch.setattr(sources, "fetch", boom)
+    job = services.run_pull(services.create_pull("smollm2-135m-instruct").pk)
+    assert job.state == PullJob.State.FAILED and "KeyError" in job.error
+    assert CatalogModel.objects.get(name="smollm2-135m-instruct").state == "failed"
 
 
 def test_unknown_model_and_concurrent_pull_are_refused(ops):

@@ -73,19 +73,57 @@ def test_without_nodes_it_waits_with_a_reason_then_deploys(
     wait_for(lambda: state_of("smollm2-135m-instruct") == "ready")
 
 
-def test_a_node_that_goes_quiet_fails_its_replicas(
-    ops, smollm2_model, registered_agent, celery_worker_thread, settings
+def test_a_control_plane_blip_leaves_the_fleet_serving(
+    ops, smollm2_model, registered_agent, celery_worker_thread
 ):
+    """Heartbeats stopped reaching us (web or database out) but the agent serves on: the
+    sweep asks the agent itself, and nothing is failed or freed."""
     ops.post(
         "/api/v1/deployments/",
         {"model": "smollm2-135m-instruct", "context_length": 256, "parallel": 1},
         format="json",
     )
     wait_for(lambda: state_of("smollm2-135m-instruct") == "ready")
+    [r] = Replica.objects.all()
+    pid = registered_agent.engine_pid(str(r.pk))
     Node.objects.update(last_heartbeat_at=timezone.now() - timedelta(minutes=5))
+    assert sweep_stale_nodes() == []
+    node = Node.objects.get()
+    assert node.state == "ready" and timezone.now() - node.last_heartbeat_at < timedelta(seconds=30)
+    assert state_of("smollm2-135m-instruct") == "ready"
+    assert registered_agent.engine_pid(str(r.pk)) == pid
+
+
+def test_a_lost_node_that_comes_back_with_its_replicas_gets_them_readopted(
+    ops, smollm2_model, registered_agent, celery_worker_thread
+):
+    """A node that neither reports nor answers is unreachable: its replicas leave routing but
+    are not freed. When it reports again holding them, they serve again, same engine."""
+    ops.post(
+        "/api/v1/deployments/",
+        {"model": "smollm2-135m-instruct", "context_length": 256, "parallel": 1},
+        format="json",
+    )
+    wait_for(lambda: state_of("smollm2-135m-instruct") == "ready")
+    [r] = Replica.objects.all()
+    pid = registered_agent.engine_pid(str(r.pk))
+    address = Node.objects.get().address
+    # A partition: the agent can neither report nor be reached (its address leads nowhere).
+    Node.objects.update(
+        address="127.0.0.1:9", last_heartbeat_at=timezone.now() - timedelta(minutes=5)
+    )
     assert sweep_stale_nodes() == ["node-a"]
+    r.refresh_from_db()
     d = Deployment.objects.get()
-    assert d.state == "failed" and "stopped sending heartbeats" in d.error
+    assert r.state == "unreachable" and d.state == "degraded"
+    assert "stopped sending heartbeats" in d.error
+    # The partition heals: its next report re-adopts the replica it still holds.
+    Node.objects.update(address=address)
+    registered_agent.heartbeat()
+    r.refresh_from_db()
+    assert r.state == "ready" and state_of("smollm2-135m-instruct") == "ready"
+    assert registered_agent.engine_pid(str(r.pk)) == pid
+    assert d.events.filter(message__contains="re-adopted").exists()
 
 
 def test_load_failure_says_which_node_and_why(

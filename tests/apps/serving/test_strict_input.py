@@ -73,8 +73,15 @@ CASES = [
     (CHAT, json.dumps(chat(logprobs=True)).encode(), "logprobs"),
     (
         CHAT,
-        json.dumps(chat(response_format={"type": "json_object"})).encode(),
-        "response_format.type",
+        json.dumps(chat(response_format={"type": "xml"})).encode(),
+        "response_format",
+    ),
+    (
+        CHAT,
+        json.dumps(
+            chat(response_format={"type": "json_schema", "json_schema": {"name": "a b"}})
+        ).encode(),
+        "response_format.json_schema.name",
     ),
     (CHAT, json.dumps(chat(tools=[{"type": "function"}])).encode(), "tools"),
     (CHAT, json.dumps(chat(presence_penalty=0.5)).encode(), "presence_penalty"),

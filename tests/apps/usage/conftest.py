@@ -3,7 +3,7 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def clean_quota_counters(settings):
-    """Quota counts are keyed by API key id, which a new test database hands out again."""
+    """Quota counts are keyed by application (user) id, which a new test database reuses."""
     import redis
 
     client = redis.Redis.from_url(settings.REDIS_URL)

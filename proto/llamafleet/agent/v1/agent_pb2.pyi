@@ -31,6 +31,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_BAD_MODEL_FILE: _ClassVar[ErrorCode]
     ERROR_CODE_OVERLOADED: _ClassVar[ErrorCode]
     ERROR_CODE_INVALID_ARGUMENT: _ClassVar[ErrorCode]
+    ERROR_CODE_INVALID_SCHEMA: _ClassVar[ErrorCode]
 REPLICA_STATE_UNSPECIFIED: ReplicaState
 REPLICA_STATE_LOADING: ReplicaState
 REPLICA_STATE_READY: ReplicaState
@@ -47,6 +48,7 @@ ERROR_CODE_ENGINE_FAILED: ErrorCode
 ERROR_CODE_BAD_MODEL_FILE: ErrorCode
 ERROR_CODE_OVERLOADED: ErrorCode
 ERROR_CODE_INVALID_ARGUMENT: ErrorCode
+ERROR_CODE_INVALID_SCHEMA: ErrorCode
 
 class LoadModelRequest(_message.Message):
     __slots__ = ("replica_id", "model_name", "sha256", "size_bytes", "download_url", "context_length", "parallel", "threads", "chat_template", "rpc_servers", "n_gpu_layers", "split_mode", "tensor_split", "batch_invariant")
@@ -129,7 +131,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., repeat_penalty: _Optional[float] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
-    __slots__ = ("replica_id", "request_id", "messages", "prompt", "max_tokens", "sampling", "stop", "resume", "no_prompt_cache")
+    __slots__ = ("replica_id", "request_id", "messages", "prompt", "max_tokens", "sampling", "stop", "resume", "no_prompt_cache", "json_schema")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +141,7 @@ class InferenceRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     NO_PROMPT_CACHE_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -148,7 +151,8 @@ class InferenceRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     resume: Continuation
     no_prompt_cache: bool
-    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Continuation, _Mapping]] = ..., no_prompt_cache: _Optional[bool] = ...) -> None: ...
+    json_schema: str
+    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Continuation, _Mapping]] = ..., no_prompt_cache: _Optional[bool] = ..., json_schema: _Optional[str] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("token_ids", "delivered_bytes")
