@@ -7,7 +7,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from apps.serving.services import GenerationParams, ServingError
 
@@ -137,7 +144,18 @@ class ChatCompletionRequest(_Sampling):
     )
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
-    logprobs: Literal[False] | None = Field(None, description="Not implemented yet.")
+    logprobs: bool | None = Field(
+        None, description="Each token's log-probability under the model (its raw logits)."
+    )
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(
+        None, description="With logprobs: also the likeliest tokens at each position."
+    )
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def generation(self) -> GenerationParams:
         params = self.params(
@@ -147,6 +165,7 @@ class ChatCompletionRequest(_Sampling):
             ]
         )
         params.max_tokens = self.max_completion_tokens or params.max_tokens
+        params.logprobs = (self.top_logprobs or 0) if self.logprobs else -1
         fmt = self.response_format
         if isinstance(fmt, ResponseFormatJSONObject):
             params.json_schema = '{"type": "object"}'
@@ -165,11 +184,13 @@ class CompletionRequest(_Sampling):
     echo: Literal[False] | None = None
     suffix: None = None
     best_of: Literal[1] | None = None
-    logprobs: None = Field(None, description="Not implemented yet.")
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = Field(
+        None, description="Each token's log-probability, with this many likeliest alternatives."
+    )
 
     def generation(self) -> GenerationParams:
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
-        return self.params(prompt=prompt)
+        return self.params(prompt=prompt, logprobs=-1 if self.logprobs is None else self.logprobs)
 
 
 class EmbeddingRequest(_Strict):
@@ -201,7 +222,8 @@ class GenerateMessage(ChatCompletionRequest):
         if (self.messages is None) == (self.prompt is None):
             raise ServingError(400, "give either 'messages' or 'prompt'", param="messages")
         if self.prompt is not None:
-            return self.params(prompt=self.prompt)
+            logprobs = (self.top_logprobs or 0) if self.logprobs else -1
+            return self.params(prompt=self.prompt, logprobs=logprobs)
         return super().generation()
 
 
@@ -249,7 +271,6 @@ def bad_request(exc: ValidationError) -> ServingError:
 
 _UNSUPPORTED = {
     "n": "only n=1 is supported",
-    "logprobs": "logprobs are not implemented yet",
     "tools": "tool calls are not implemented yet",
     "tool_choice": "tool calls are not implemented yet",
     "tool_calls": "tool calls are not implemented yet",
@@ -299,6 +320,30 @@ class CompletionUsage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str
@@ -308,7 +353,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str
-    logprobs: None
+    logprobs: ChoiceLogprobs | None
 
 
 class ChatCompletion(BaseModel):
@@ -325,7 +370,7 @@ class TextChoice(BaseModel):
     index: int
     text: str
     finish_reason: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
 
 
 class TextCompletion(BaseModel):

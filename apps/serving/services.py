@@ -93,6 +93,7 @@ class GenerationParams:
     repeat_penalty: float = 1.0
     cache_prompt: bool = True  # llama-server's name: reuse a cached prefix of the prompt
     json_schema: str = ""  # structured output: the schema the answer must match, as JSON
+    logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the k likeliest
 
     def to_request(
         self, replica_id: str, request_id: str, resume: pb.Continuation | None = None
@@ -115,6 +116,8 @@ class GenerationParams:
             stop=self.stop,
             resume=resume,
             no_prompt_cache=not self.cache_prompt,
+            logprobs=self.logprobs >= 0,
+            top_logprobs=max(self.logprobs, 0),
         )
 
 
@@ -132,10 +135,11 @@ class Target:
 
 @dataclass
 class Piece:
-    """A piece of generated text."""
+    """A piece of generated text (with its tokens' log-probabilities, when asked)."""
 
     text: str
     index: int
+    logprobs: list = field(default_factory=list)  # pb.TokenLogprob
 
 
 @dataclass
@@ -239,6 +243,7 @@ class Generation:
         self._delivered = 0  # UTF-8 bytes the consumer received
         self._pieces = 0
         self.first_token_at = 0.0  # time.monotonic() of the first piece
+        self._logprobs: list = []  # of tokens not yet sent with a piece
         self.hashes = balancer.prefix_hashes(params.messages, params.prompt)
 
     async def _open(self, targets: list[Target], resume: pb.Continuation | None) -> None:
@@ -321,10 +326,12 @@ class Generation:
                     return
                 self.token_ids.extend(msg.token_ids)
                 self.prompt_tokens = msg.prompt_tokens or self.prompt_tokens
+                self._logprobs.extend(msg.logprobs)  # tokens whose text is held back wait
                 if msg.text:
                     if not self.first_token_at:
                         self.first_token_at = time.monotonic()
-                    piece = Piece(msg.text, self._pieces)
+                    piece = Piece(msg.text, self._pieces, self._logprobs)
+                    self._logprobs = []
                     self._pieces += 1
                     yield piece
                     self._delivered += len(msg.text.encode())

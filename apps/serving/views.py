@@ -132,14 +132,49 @@ def _ids(gen: Generation, shape: str) -> tuple[str, str]:
     return f"cmpl-{gen.id}", "text_completion"
 
 
+def _logprobs(entries: list, shape: str, offset: int = 0) -> dict | None:
+    """OpenAI's logprobs of a run of tokens (pb.TokenLogprob): the chat shape, or the legacy
+    completions one whose text offsets start at `offset` characters."""
+
+    def token(piece: bytes) -> str:
+        return piece.decode("utf-8", errors="replace")
+
+    if shape == "chat":
+        content = [
+            {
+                "token": token(e.piece),
+                "logprob": e.logprob,
+                "bytes": list(e.piece),
+                "top_logprobs": [
+                    {"token": token(t.piece), "logprob": t.logprob, "bytes": list(t.piece)}
+                    for t in e.top
+                ],
+            }
+            for e in entries
+        ]
+        return {"content": content, "refusal": None}
+    offsets, at = [], offset
+    for e in entries:
+        offsets.append(at)
+        at += len(token(e.piece))
+    return {
+        "tokens": [token(e.piece) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token(t.piece): t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 async def _collect(
     events: AsyncIterator, gen: Generation, params: GenerationParams, shape: str
 ) -> HttpResponse:
     parts: list[str] = []
+    entries: list = []
     try:
         async for ev in events:
             if isinstance(ev, Piece):
                 parts.append(ev.text)
+                entries.extend(ev.logprobs)
             else:
                 finished = ev
     except ServingError as err:
@@ -147,15 +182,16 @@ async def _collect(
     text = "".join(parts)
     ident, obj = _ids(gen, shape)
     reason = "stop" if finished.finish_reason == "cancelled" else finished.finish_reason
+    logprobs = _logprobs(entries, shape) if params.logprobs >= 0 else None
     choice = (
         {
             "index": 0,
             "message": {"role": "assistant", "content": text},
             "finish_reason": reason,
-            "logprobs": None,
+            "logprobs": logprobs,
         }
         if shape == "chat"
-        else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        else {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
     )
     body = {
         "id": ident,
@@ -187,16 +223,19 @@ async def _stream(
         "system_fingerprint": f"llamafleet-{gen.target.deployment}",
     }
 
-    def chunk(text: str | None, reason: str | None, first: bool = False) -> dict:
+    sent = 0  # characters streamed so far: the legacy shape's text offsets
+
+    def chunk(text: str | None, reason: str | None, first: bool = False, entries=()) -> dict:
+        logprobs = _logprobs(list(entries), shape, sent) if params.logprobs >= 0 else None
         if shape == "chat":
             delta = (
                 {"role": "assistant", "content": ""}
                 if first
                 else ({"content": text} if text is not None else {})
             )
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         return base | {"choices": [choice]} | ({"usage": None} if include_usage else {})
 
     async with aclosing(events):  # a client that goes away frees its slot at once
@@ -205,7 +244,8 @@ async def _stream(
         try:
             async for ev in events:
                 if isinstance(ev, Piece):
-                    yield _sse(chunk(ev.text, None))
+                    yield _sse(chunk(ev.text, None, entries=ev.logprobs))
+                    sent += len(ev.text)
                 else:
                     reason = "stop" if ev.finish_reason == "cancelled" else ev.finish_reason
                     yield _sse(chunk(None, reason))

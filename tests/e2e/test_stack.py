@@ -71,6 +71,42 @@ def test_openai_sdk_parses_a_structured_output_into_a_pydantic_model(stack):
     assert err.value.code == "invalid_schema" and err.value.param == "response_format"
 
 
+def test_openai_sdk_logprobs_are_the_models_log_probabilities(stack):
+    import math
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["key"])
+    ask = dict(model=SMOLLM2, messages=CHAT, max_tokens=8, temperature=0)
+    reply = client.chat.completions.create(**ask, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert "".join(t.token for t in content) == reply.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert sum(math.exp(x.logprob) for x in t.top_logprobs) <= 1 + 1e-6
+        assert t.top_logprobs[0].token == t.token  # greedy: the likeliest was chosen
+    # Streamed, the same tokens arrive piece by piece.
+    chunks = client.chat.completions.create(**ask, logprobs=True, stream=True)
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [
+        (t.token, round(t.logprob, 4)) for t in content
+    ]
+    # The legacy completions shape.
+    done = client.completions.create(
+        model=SMOLLM2, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2
+    )
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == done.usage.completion_tokens
+    assert "".join(lp.tokens) == done.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+
+
 def test_openai_sdk_embeddings_equal_llama_in_process(stack, smollm2_path):
     from llama_cpp import LLAMA_POOLING_TYPE_MEAN, Llama
     from openai import OpenAI

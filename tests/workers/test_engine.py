@@ -44,9 +44,10 @@ def chat_tokens(engine, messages=CHAT):
     return engine.tokenize(fmt(messages=messages).prompt, add_bos=False, special=True)
 
 
-def run(engine, requests, cancel_after=None):
-    """Step until idle; returns texts and done events by request id."""
-    texts, done, errors = {}, {}, {}
+def run(engine, requests, cancel_after=None, collect_logprobs=False):
+    """Step until idle; returns texts and done events by request id (with collect_logprobs,
+    each done event ends with the request's logprob entries)."""
+    texts, done, errors, logprobs = {}, {}, {}, {}
     for r in requests:
         engine.submit(r)
     steps = 0
@@ -54,8 +55,9 @@ def run(engine, requests, cancel_after=None):
         for ev in engine.step():
             if ev[0] == "token":
                 texts[ev[1]] = texts.get(ev[1], "") + ev[2]
+                logprobs.setdefault(ev[1], []).extend(ev[6])
             elif ev[0] == "done":
-                done[ev[1]] = ev
+                done[ev[1]] = ev + ((logprobs.get(ev[1], []),) if collect_logprobs else ())
             else:
                 errors[ev[1]] = ev
         steps += 1
@@ -274,37 +276,45 @@ def test_outbox_sends_the_first_piece_at_once_and_merges_the_rest():
 
     pipe = Pipe()
     out = Outbox(pipe, interval=60.0)  # nothing waits long enough during this test
-    out.send(("token", "a", "Hel", 0, [1], 9))
+    out.send(("token", "a", "Hel", 0, [1], 9, []))
     out.tick()
-    out.send(("token", "a", "lo", 1, [2], 9))
-    out.send(("token", "a", " you", 2, [3, 4], 9))
+    out.send(("token", "a", "lo", 1, [2], 9, ["lp2"]))
+    out.send(("token", "a", " you", 2, [3, 4], 9, ["lp3", "lp4"]))
     out.tick()
-    assert pipe == [("token", "a", "Hel", 0, [1], 9)]
+    assert pipe == [("token", "a", "Hel", 0, [1], 9, [])]
     out.send(("done", "a", "stop", {}, {}))
     out.tick()
     # The held text and the end leave in one message.
     assert pipe[1:] == [
-        ("batch", [("token", "a", "lo you", 1, [2, 3, 4], 9), ("done", "a", "stop", {}, {})])
+        (
+            "batch",
+            [
+                ("token", "a", "lo you", 1, [2, 3, 4], 9, ["lp2", "lp3", "lp4"]),
+                ("done", "a", "stop", {}, {}),
+            ],
+        )
     ]
     fast = Outbox(pipe := Pipe(), interval=0.0)  # 0: one piece per token, one send a step
     for i, text in enumerate("abc"):
-        fast.send(("token", "b", text, i, [i], 1))
+        fast.send(("token", "b", text, i, [i], 1, []))
         fast.tick()
     assert [m[2] for m in pipe] == ["a", "b", "c"]
     slow = Outbox(pipe := Pipe(), interval=0.01)
-    slow.send(("token", "c", "x", 0, [1], 1))
+    slow.send(("token", "c", "x", 0, [1], 1, []))
     slow.tick()
-    slow.send(("token", "c", "y", 1, [2], 1))
+    slow.send(("token", "c", "y", 1, [2], 1, []))
     slow.tick()
     time.sleep(0.02)
     slow.tick()  # waited long enough: sent without a new piece arriving
     assert [m[2:4] for m in pipe] == [("x", 0), ("y", 1)]
     # Two streams' first pieces of one step: one message.
     both = Outbox(pipe := Pipe(), interval=60.0)
-    both.send(("token", "d", "1", 0, [1], 1))
-    both.send(("token", "e", "2", 0, [2], 1))
+    both.send(("token", "d", "1", 0, [1], 1, []))
+    both.send(("token", "e", "2", 0, [2], 1, []))
     both.tick()
-    assert pipe == [("batch", [("token", "d", "1", 0, [1], 1), ("token", "e", "2", 0, [2], 1)])]
+    assert pipe == [
+        ("batch", [("token", "d", "1", 0, [1], 1, []), ("token", "e", "2", 0, [2], 1, [])])
+    ]
 
 
 def test_embeddings_equal_llama_in_process(engine, smollm2_path):
@@ -486,3 +496,25 @@ def test_a_schema_the_grammar_cannot_express_is_refused_by_name(engine):
     with pytest.raises(EngineError) as err:
         engine.submit(Request("g", [1, 2], 5, Sampling(grammar="root ::= (")))
     assert err.value.code == "INVALID_SCHEMA"
+
+
+def test_logprobs_are_the_models_own_log_probabilities(engine):
+    import math
+
+    prompt = chat_tokens(engine)
+    texts, done, errors = run(
+        engine,
+        [
+            Request("lp", prompt, 8, Sampling(temperature=0.0), logprobs=3),
+            Request("no", prompt, 8, Sampling(temperature=0.0)),
+        ],
+        collect_logprobs=True,
+    )
+    entries = done["lp"][-1]
+    assert len(entries) == done["lp"][3]["completion_tokens"] > 0 and done["no"][-1] == []
+    for token, piece, lp, top in entries:
+        assert lp <= 0 and len(top) == 3 and piece == engine.token_bytes(token)
+        assert sum(math.exp(x) for _, x in top) <= 1 + 1e-6
+        # Greedy: the chosen token is the likeliest, and the first alternative is itself.
+        assert top[0] == (piece, lp) and all(top[i][1] >= top[i + 1][1] for i in range(2))
+    assert b"".join(e[1] for e in entries).decode() == texts["lp"]

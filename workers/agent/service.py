@@ -176,7 +176,19 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             async for event in replica.engine.generate(payload):
                 if event[0] == "token":
                     yield pb.InferenceResponse(
-                        text=event[2], index=event[3], token_ids=event[4], prompt_tokens=event[5]
+                        text=event[2],
+                        index=event[3],
+                        token_ids=event[4],
+                        prompt_tokens=event[5],
+                        logprobs=[
+                            pb.TokenLogprob(
+                                token_id=t,
+                                piece=piece,
+                                logprob=lp,
+                                top=[pb.TopLogprob(piece=p, logprob=x) for p, x in top],
+                            )
+                            for t, piece, lp, top in event[6]
+                        ],
                     )
                 else:
                     _, _, reason, usage, timings = event
@@ -309,4 +321,5 @@ def inference_payload(request: pb.InferenceRequest) -> dict:
         "delivered_bytes": request.resume.delivered_bytes,
         "cache_prompt": not request.no_prompt_cache,
         "json_schema": request.json_schema,
+        "logprobs": request.top_logprobs if request.logprobs else -1,
     }

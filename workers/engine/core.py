@@ -67,6 +67,8 @@ class Request:
     delivered_bytes: int = 0
     #: Reuse a slot's cached prefix of the prompt (throughput mode only).
     cache_prompt: bool = True
+    #: -1: no log-probabilities; k >= 0: each sampled token's, with the k likeliest.
+    logprobs: int = -1
 
 
 @dataclass
@@ -105,6 +107,7 @@ class _Sequence:
     cached_tokens: int = 0  # prompt tokens whose KV the slot's cache already held
     pending_text: str = ""  # decoded text held back while it may start a stop string
     new_tokens: list[int] = field(default_factory=list)  # sampled, not yet sent with text
+    new_logprobs: list[tuple] = field(default_factory=list)  # theirs, when asked (logprob())
     sampled: list[int] = field(default_factory=list)  # every token sampled here
     emitted: int = 0  # pieces emitted
     admitted_at: float = 0.0
@@ -263,6 +266,22 @@ class BatchEngine:
             buf = (L.llama_token * cap)()
             n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
         return list(buf[:n])
+
+    def logprob(self, index: int, token: int, top: int) -> tuple:
+        """(token, its bytes, log-probability, [(bytes, logprob) of the `top` likeliest]) under
+        the model's own distribution at batch position `index` (the raw logits, before
+        temperature and truncation), as OpenAI reports them."""
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, index), (self.n_vocab,))
+        peak = float(logits.max())
+        lse = peak + float(np.log(np.exp(logits - peak).sum()))
+        alts = []
+        if top:
+            best = np.argpartition(-logits, top)[:top]
+            best = best[np.argsort(-logits[best])]
+            alts = [(self.token_bytes(int(t)), float(logits[t]) - lse) for t in best]
+        return (token, self.token_bytes(token), float(logits[token]) - lse, alts)
 
     def token_bytes(self, token: int) -> bytes:
         buf = ctypes.create_string_buffer(64)
@@ -574,6 +593,8 @@ class BatchEngine:
             if seq.batch_index < 0:
                 continue
             token = L.llama_sampler_sample(seq.sampler, self.ctx, seq.batch_index)
+            if seq.req.logprobs >= 0 and not L.llama_vocab_is_eog(self.vocab, token):
+                seq.new_logprobs.append(self.logprob(seq.batch_index, token, seq.req.logprobs))
             seq.batch_index = -1
             if not seq.first_token_at:
                 seq.first_token_at = time.monotonic()
@@ -625,9 +646,10 @@ class BatchEngine:
             seq.emitted,
             seq.new_tokens,
             len(seq.req.prompt_tokens),
+            seq.new_logprobs,
         )
         seq.emitted += 1
-        seq.new_tokens = []
+        seq.new_tokens, seq.new_logprobs = [], []
         return event
 
     def _flush(self, seq: _Sequence, final: bool) -> list[tuple]:

@@ -7,7 +7,8 @@ talks to it over a pipe and learns of its death from the pipe closing.
 Messages are tuples. Agent -> engine: ("generate", id, payload), ("cancel", id),
 ("tokenize", id, payload), ("embed", id, texts), ("shutdown",). Engine -> agent:
 ("ready", info), ("load_error", code, message),
-("token", id, text, index, token_ids, prompt_tokens), ("done", id, reason, usage, timings),
+("token", id, text, index, token_ids, prompt_tokens, logprobs),
+("done", id, reason, usage, timings),
 ("error", id, code, message), ("tokens", id, tokens, context_length),
 ("embeddings", id, vectors, n_tokens), and ("batch", [events]) carrying the token, done and
 error events of one decode step together.
@@ -95,7 +96,7 @@ class Outbox:
     def __init__(self, conn, interval: float):
         self.conn = conn
         self.interval = interval
-        self.held: dict[str, list] = {}  # id -> [text, token_ids, prompt_tokens]
+        self.held: dict[str, list] = {}  # id -> [text, token_ids, prompt_tokens, logprobs]
         self.last: dict[str, float] = {}  # id -> time of its last piece
         self.index: dict[str, int] = {}  # id -> index of its next piece
         self.pending: list[tuple] = []  # events of this step, sent by tick()
@@ -103,9 +104,10 @@ class Outbox:
     def send(self, event: tuple) -> None:
         kind, rid = event[0], event[1]
         if kind == "token":
-            held = self.held.setdefault(rid, ["", [], event[5]])
+            held = self.held.setdefault(rid, ["", [], event[5], []])
             held[0] += event[2]
             held[1].extend(event[4])
+            held[3].extend(event[6])
             now = time.monotonic()
             if now - self.last.get(rid, float("-inf")) >= self.interval:
                 self._flush(rid, now)
@@ -135,7 +137,7 @@ class Outbox:
         index = self.index.get(rid, 0)
         self.index[rid] = index + 1
         self.last[rid] = now
-        self.pending.append(("token", rid, held[0], index, held[1], held[2]))
+        self.pending.append(("token", rid, held[0], index, held[1], held[2], held[3]))
 
 
 def child_main(conn, config: EngineConfig) -> None:
@@ -214,6 +216,7 @@ def child_main(conn, config: EngineConfig) -> None:
                             resume_tokens=list(payload.get("resume_tokens") or []),
                             delivered_bytes=int(payload.get("delivered_bytes") or 0),
                             cache_prompt=bool(payload.get("cache_prompt", True)),
+                            logprobs=int(payload.get("logprobs", -1)),
                         )
                     )
                 except EngineError as exc:

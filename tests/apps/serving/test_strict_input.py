@@ -70,7 +70,13 @@ CASES = [
     (CHAT, json.dumps(chat(stream="yes")).encode(), "stream"),
     (CHAT, json.dumps(chat(stream_options=[1])).encode(), "stream_options"),
     (CHAT, json.dumps(chat(n=2)).encode(), "n"),
-    (CHAT, json.dumps(chat(logprobs=True)).encode(), "logprobs"),
+    (CHAT, json.dumps(chat(top_logprobs=2)).encode(), "body"),  # without logprobs: true
+    (CHAT, json.dumps(chat(logprobs=True, top_logprobs=21)).encode(), "top_logprobs"),
+    (
+        "/v1/completions",
+        json.dumps({"model": "m", "prompt": "x", "logprobs": 6}).encode(),
+        "logprobs",
+    ),
     (
         CHAT,
         json.dumps(chat(response_format={"type": "xml"})).encode(),

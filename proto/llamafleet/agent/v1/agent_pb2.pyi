@@ -131,7 +131,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., repeat_penalty: _Optional[float] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
-    __slots__ = ("replica_id", "request_id", "messages", "prompt", "max_tokens", "sampling", "stop", "resume", "no_prompt_cache", "json_schema")
+    __slots__ = ("replica_id", "request_id", "messages", "prompt", "max_tokens", "sampling", "stop", "resume", "no_prompt_cache", "json_schema", "logprobs", "top_logprobs")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class InferenceRequest(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     NO_PROMPT_CACHE_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -152,7 +154,9 @@ class InferenceRequest(_message.Message):
     resume: Continuation
     no_prompt_cache: bool
     json_schema: str
-    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Continuation, _Mapping]] = ..., no_prompt_cache: _Optional[bool] = ..., json_schema: _Optional[str] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Continuation, _Mapping]] = ..., no_prompt_cache: _Optional[bool] = ..., json_schema: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("token_ids", "delivered_bytes")
@@ -183,7 +187,7 @@ class Timings(_message.Message):
     def __init__(self, time_to_first_token: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class InferenceResponse(_message.Message):
-    __slots__ = ("text", "index", "finish_reason", "usage", "timings", "token_ids", "prompt_tokens")
+    __slots__ = ("text", "index", "finish_reason", "usage", "timings", "token_ids", "prompt_tokens", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +195,7 @@ class InferenceResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     index: int
     finish_reason: FinishReason
@@ -198,7 +203,28 @@ class InferenceResponse(_message.Message):
     timings: Timings
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_tokens: int
-    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "piece", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    piece: bytes
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., piece: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("piece", "logprob")
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    piece: bytes
+    logprob: float
+    def __init__(self, piece: _Optional[bytes] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("replica_id", "messages", "text")
