@@ -33,13 +33,45 @@ class TextPart(_Strict):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class CalledFunction(_Strict):
+    name: FunctionName
+    arguments: Annotated[str, Field(max_length=1 << 20)] = Field(
+        description="The arguments as a JSON object, in a string (as OpenAI sends them)."
+    )
+
+
+class ToolCall(_Strict):
+    id: Annotated[str, Field(min_length=1, max_length=64)]
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class Message(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: Annotated[str, Field(max_length=256)] | None = None
-    # What the SDK echoes back from an assistant message; must stay empty until tool calls.
-    refusal: str | None = None
-    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None
+    refusal: str | None = None  # what the SDK echoes back from an assistant message
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def as_dict(self) -> dict:
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -126,6 +158,39 @@ class ResponseFormatJSONSchema(_Strict):
     json_schema: JSONSchemaSpec
 
 
+class FunctionDef(_Strict):
+    name: FunctionName
+    description: Annotated[str, Field(max_length=8192)] | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments.")
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def call_schema(function: FunctionDef) -> dict:
+    """The JSON a call of this function is: its name, then arguments matching its schema."""
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": function.name},
+            "arguments": function.parameters or {"type": "object"},
+        },
+        "required": ["name", "arguments"],
+    }
+
+
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
@@ -139,11 +204,19 @@ class ChatCompletionRequest(_Sampling):
         description="Structured outputs: decoded under a grammar (llama.cpp's), so the answer "
         "always parses, and matches the schema.",
     )
-    tools: Annotated[list[Any], Field(max_length=0)] | None = Field(
-        None, description="Not implemented yet: must be absent or empty."
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = Field(
+        None,
+        description="Functions the model may call. The chat template renders them where it "
+        "knows tools, else a system message describes them.",
     )
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="required or a named function is enforced by a grammar: the answer is a "
+        "valid call whose arguments match the function's schema. At most one call per turn.",
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="One call per turn is returned, whatever this says."
+    )
     logprobs: bool | None = Field(
         None, description="Each token's log-probability under the model (its raw logits)."
     )
@@ -155,15 +228,19 @@ class ChatCompletionRequest(_Sampling):
     def _top_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        names = {t.function.name for t in self.tools or ()}
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and (
+            self.tool_choice.function.name not in names
+        ):
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name}, not a tool")
+        if self.tools and self.response_format and self.response_format.type != "text":
+            raise ValueError("give tools or a structured response_format, not both")
         return self
 
     def generation(self) -> GenerationParams:
-        params = self.params(
-            messages=[
-                {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages
-            ]
-        )
+        params = self.params(messages=[m.as_dict() for m in self.messages])
         params.max_tokens = self.max_completion_tokens or params.max_tokens
         params.logprobs = (self.top_logprobs or 0) if self.logprobs else -1
         fmt = self.response_format
@@ -171,6 +248,19 @@ class ChatCompletionRequest(_Sampling):
             params.json_schema = '{"type": "object"}'
         elif isinstance(fmt, ResponseFormatJSONSchema):
             params.json_schema = json.dumps(fmt.json_schema.schema_ or {"type": "object"})
+        if self.tools:
+            params.tools = json.dumps([t.model_dump(exclude_none=True) for t in self.tools])
+            choice = self.tool_choice or "auto"
+            functions = [t.function for t in self.tools]
+            if isinstance(choice, NamedToolChoice):
+                functions = [f for f in functions if f.name == choice.function.name]
+                choice = "required"
+            params.tool_choice = choice
+            if choice == "required":
+                schemas = [call_schema(f) for f in functions]
+                params.json_schema = json.dumps(
+                    schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+                )
         return params
 
 
@@ -221,6 +311,8 @@ class GenerateMessage(ChatCompletionRequest):
     def generation(self) -> GenerationParams:
         if (self.messages is None) == (self.prompt is None):
             raise ServingError(400, "give either 'messages' or 'prompt'", param="messages")
+        if self.tools:
+            raise ServingError(400, "tools are served on /v1/chat/completions", param="tools")
         if self.prompt is not None:
             logprobs = (self.top_logprobs or 0) if self.logprobs else -1
             return self.params(prompt=self.prompt, logprobs=logprobs)
@@ -271,9 +363,6 @@ def bad_request(exc: ValidationError) -> ServingError:
 
 _UNSUPPORTED = {
     "n": "only n=1 is supported",
-    "tools": "tool calls are not implemented yet",
-    "tool_choice": "tool calls are not implemented yet",
-    "tool_calls": "tool calls are not implemented yet",
     "response_format": "response_format is text, json_object or json_schema",
     "presence_penalty": "only 0 is supported; use repeat_penalty",
     "frequency_penalty": "only 0 is supported; use repeat_penalty",
@@ -344,9 +433,16 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: dict[str, str]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -12,6 +12,7 @@ stream with nothing lost or repeated.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -94,6 +95,8 @@ class GenerationParams:
     cache_prompt: bool = True  # llama-server's name: reuse a cached prefix of the prompt
     json_schema: str = ""  # structured output: the schema the answer must match, as JSON
     logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the k likeliest
+    tools: str = ""  # OpenAI's tools list as JSON; "" for none
+    tool_choice: str = ""  # none, auto or required (a named function narrows the grammar)
 
     def to_request(
         self, replica_id: str, request_id: str, resume: pb.Continuation | None = None
@@ -101,7 +104,16 @@ class GenerationParams:
         return pb.InferenceRequest(
             replica_id=replica_id,
             request_id=request_id,
-            messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in self.messages],
+            messages=[
+                pb.ChatMessage(
+                    role=m["role"],
+                    content=m["content"],
+                    tool_calls=json.dumps(m["tool_calls"]) if m.get("tool_calls") else "",
+                    tool_call_id=m.get("tool_call_id", ""),
+                )
+                for m in self.messages
+            ],
+            tools=self.tools,
             prompt=self.prompt,
             json_schema=self.json_schema,
             max_tokens=self.max_tokens,

@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import struct
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -165,6 +166,34 @@ def _logprobs(entries: list, shape: str, offset: int = 0) -> dict | None:
     }
 
 
+def _tool_call(text: str, params: GenerationParams) -> dict | None:
+    """The function call an answer is, when tools are in play: with tool_choice required (or
+    a named function) the grammar made it one; with auto, when the text is a call of a tool."""
+    if not params.tools or params.tool_choice == "none":
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    names = {t["function"]["name"] for t in json.loads(params.tools)}
+    if not (
+        isinstance(value, dict)
+        and value.get("name") in names
+        and isinstance(value.get("arguments"), dict)
+    ):
+        return None
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": value["name"], "arguments": json.dumps(value["arguments"])},
+    }
+
+
+def _buffered(params: GenerationParams, shape: str) -> bool:
+    """A streamed answer that may be a call is sent whole at its end (a call is one delta)."""
+    return shape == "chat" and bool(params.tools) and params.tool_choice != "none"
+
+
 async def _collect(
     events: AsyncIterator, gen: Generation, params: GenerationParams, shape: str
 ) -> HttpResponse:
@@ -183,10 +212,14 @@ async def _collect(
     ident, obj = _ids(gen, shape)
     reason = "stop" if finished.finish_reason == "cancelled" else finished.finish_reason
     logprobs = _logprobs(entries, shape) if params.logprobs >= 0 else None
+    message = {"role": "assistant", "content": text}
+    call = _tool_call(text, params) if shape == "chat" else None
+    if call is not None:
+        message, reason = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
     choice = (
         {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "finish_reason": reason,
             "logprobs": logprobs,
         }
@@ -225,7 +258,9 @@ async def _stream(
 
     sent = 0  # characters streamed so far: the legacy shape's text offsets
 
-    def chunk(text: str | None, reason: str | None, first: bool = False, entries=()) -> dict:
+    def chunk(
+        text: str | None, reason: str | None, first: bool = False, entries=(), call=None
+    ) -> dict:
         logprobs = _logprobs(list(entries), shape, sent) if params.logprobs >= 0 else None
         if shape == "chat":
             delta = (
@@ -233,6 +268,8 @@ async def _stream(
                 if first
                 else ({"content": text} if text is not None else {})
             )
+            if call is not None:
+                delta = {"tool_calls": [{"index": 0} | call]}
             choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
@@ -242,12 +279,24 @@ async def _stream(
         if shape == "chat":
             yield _sse(chunk(None, None, first=True))
         try:
+            held: list[Piece] = []
             async for ev in events:
-                if isinstance(ev, Piece):
+                if isinstance(ev, Piece) and _buffered(params, shape):
+                    held.append(ev)
+                elif isinstance(ev, Piece):
                     yield _sse(chunk(ev.text, None, entries=ev.logprobs))
                     sent += len(ev.text)
                 else:
                     reason = "stop" if ev.finish_reason == "cancelled" else ev.finish_reason
+                    if held:
+                        text = "".join(p.text for p in held)
+                        entries = [e for p in held for e in p.logprobs]
+                        call = _tool_call(text, params)
+                        if call is not None:
+                            yield _sse(chunk(None, None, entries=entries, call=call))
+                            reason = "tool_calls"
+                        else:
+                            yield _sse(chunk(text, None, entries=entries))
                     yield _sse(chunk(None, reason))
                     if include_usage:
                         yield _sse(base | {"choices": [], "usage": _usage(ev)})

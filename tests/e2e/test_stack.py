@@ -107,6 +107,97 @@ def test_openai_sdk_logprobs_are_the_models_log_probabilities(stack):
     assert all(len(top) <= 2 for top in lp.top_logprobs)
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_sdk_required_tool_call_round_trips(stack, stream):
+    import json
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["key"])
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kwargs = dict(model=SMOLLM2, tools=[WEATHER], temperature=0, max_tokens=60)
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                messages=ask, tool_choice="required", stream=True, **kwargs
+            )
+        )
+        [delta] = [
+            c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls
+        ]
+        call = delta.tool_calls[0]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    else:
+        reply = client.chat.completions.create(messages=ask, tool_choice="required", **kwargs)
+        assert reply.choices[0].finish_reason == "tool_calls"
+        assert reply.choices[0].message.content is None
+        call = reply.choices[0].message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    # The next turn carries the call and its result; the model answers in words.
+    follow = ask + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"},
+    ]
+    answer = client.chat.completions.create(messages=follow, tool_choice="none", **kwargs)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def test_a_named_function_is_the_one_called(stack):
+    import json
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["key"])
+    other = {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string"}},
+                "required": ["zone"],
+            },
+        },
+    }
+    reply = client.chat.completions.create(
+        model=SMOLLM2,
+        messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+        tools=[WEATHER, other],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=0,
+        max_tokens=60,
+    )
+    call = reply.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_time" and "zone" in json.loads(call.function.arguments)
+
+
 def test_openai_sdk_embeddings_equal_llama_in_process(stack, smollm2_path):
     from llama_cpp import LLAMA_POOLING_TYPE_MEAN, Llama
     from openai import OpenAI

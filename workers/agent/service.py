@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -209,7 +210,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         try:
             replica = self._replica(request.replica_id)
             payload = {
-                "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+                "messages": [chat_message(m) for m in request.messages],
                 "text": request.text,
             }
             tokens, n_ctx = await replica.engine.tokenize(payload)
@@ -312,7 +313,7 @@ def inference_payload(request: pb.InferenceRequest) -> dict:
         "seed": s.seed if s.has_seed else None,
     }
     return {
-        "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+        "messages": [chat_message(m) for m in request.messages],
         "prompt": request.prompt,
         "max_tokens": request.max_tokens,
         "sampling": sampling,
@@ -322,4 +323,15 @@ def inference_payload(request: pb.InferenceRequest) -> dict:
         "cache_prompt": not request.no_prompt_cache,
         "json_schema": request.json_schema,
         "logprobs": request.top_logprobs if request.logprobs else -1,
+        "tools": json.loads(request.tools) if request.tools else None,
     }
+
+
+def chat_message(m: pb.ChatMessage) -> dict:
+    """A message as chat templates take it (OpenAI's shape, tool calls included)."""
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = json.loads(m.tool_calls)
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out

@@ -72,12 +72,51 @@ def _build_prompt(engine, formatter, payload: dict) -> list[int]:
     if payload.get("messages"):
         if formatter is None:
             raise EngineError("INVALID_ARGUMENT", "this model has no chat template; send a prompt")
+        messages, tools = payload["messages"], payload.get("tools")
+        if tools and "tools" not in (formatter.template or ""):
+            messages, tools = describe_tools(messages, tools), None
         try:
-            rendered = formatter(messages=payload["messages"]).prompt
+            rendered = formatter(messages=messages, tools=tools).prompt
         except Exception as exc:  # a template may raise_exception() on bad roles
             raise EngineError("INVALID_ARGUMENT", f"chat template: {exc}") from exc
         return engine.tokenize(rendered, add_bos=False, special=True)
     return engine.tokenize(payload.get("prompt", ""), add_bos=True, special=True)
+
+
+def describe_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """For a template that knows no tools: the functions described in a system message, past
+    calls as the JSON the model would write, results as user turns (templates that know no
+    tools often accept only system, user and assistant)."""
+    import json
+
+    lines = [
+        "You can call these functions. To call one, answer with only a JSON object "
+        '{"name": <function name>, "arguments": <object of its parameters>}.'
+    ]
+    for t in tools:
+        f = t.get("function", {})
+        lines.append(
+            f"- {f.get('name')}: {f.get('description', '')} "
+            f"Parameters (JSON schema): {json.dumps(f.get('parameters', {}))}"
+        )
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [
+                {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+                for c in m["tool_calls"]
+            ]
+            text = json.dumps(calls[0] if len(calls) == 1 else calls)
+            out.append({"role": "assistant", "content": text})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"Function result: {m['content']}"})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if out and out[0]["role"] == "system":
+        out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + "\n".join(lines)}
+    else:
+        out.insert(0, {"role": "system", "content": "\n".join(lines)})
+    return out
 
 
 class Outbox:

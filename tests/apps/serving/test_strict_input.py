@@ -89,7 +89,13 @@ CASES = [
         ).encode(),
         "response_format.json_schema.name",
     ),
-    (CHAT, json.dumps(chat(tools=[{"type": "function"}])).encode(), "tools"),
+    (CHAT, json.dumps(chat(tools=[{"type": "function"}])).encode(), "tools[0].function"),
+    (CHAT, json.dumps(chat(tool_choice="required")).encode(), "body"),  # no tools
+    (
+        CHAT,
+        json.dumps(chat(messages=[{"role": "tool", "content": "18 C"}])).encode(),
+        "messages[0]",
+    ),
     (CHAT, json.dumps(chat(presence_penalty=0.5)).encode(), "presence_penalty"),
     (CHAT, json.dumps(chat(whatever=1)).encode(), "whatever"),
     ("/v1/completions", json.dumps({"model": "m", "prompt": ""}).encode(), "prompt"),
