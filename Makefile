@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO := proto/llamafleet/agent/v1/agent.proto
 
-.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner llama-server
+.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar llama-server
 
 setup: $(VENV)/.installed
 
@@ -53,6 +53,10 @@ bench-split: setup
 
 bench-planner: setup
 	$(PY) bench/planner.py
+
+# Needs the test model cache (run `make test` once).
+bench-grammar: setup
+	$(PY) bench/grammar.py
 
 superuser: setup
 	$(PY) manage.py createsuperuser

@@ -108,6 +108,7 @@ class _Sequence:
     pending_text: str = ""  # decoded text held back while it may start a stop string
     new_tokens: list[int] = field(default_factory=list)  # sampled, not yet sent with text
     new_logprobs: list[tuple] = field(default_factory=list)  # theirs, when asked (logprob())
+    grammar: ctypes.c_void_p | None = None  # structured output's grammar sampler, if any
     sampled: list[int] = field(default_factory=list)  # every token sampled here
     emitted: int = 0  # pieces emitted
     admitted_at: float = 0.0
@@ -203,6 +204,7 @@ class BatchEngine:
         self.n_swa = L.llama_model_n_swa(self.model)
         self.waiting: deque[Request] = deque()
         self.active: dict[str, _Sequence] = {}
+        self._cand = None  # candidate array for grammar sampling, made on first use
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._embed_ctx = None  # made at the first embedding request
         self._embed_batch = None
@@ -266,6 +268,44 @@ class BatchEngine:
             buf = (L.llama_token * cap)()
             n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
         return list(buf[:n])
+
+    def _candidates(self, index: int):
+        """Every token with its logit at batch position `index`, as llama.cpp's samplers
+        take them (filled with numpy: a Python loop over the vocabulary would cost more than
+        the sampling)."""
+        import numpy as np
+
+        if self._cand is None:
+            self._cand_data = (L.llama_token_data * self.n_vocab)()
+            view = np.ctypeslib.as_array(self._cand_data)
+            self._cand_view = view.view(np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]))
+            self._cand = L.llama_token_data_array(self._cand_data, self.n_vocab, -1, False)
+        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, index), (self.n_vocab,))
+        self._cand_view["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        self._cand_view["logit"] = logits
+        self._cand_view["p"] = 0.0
+        self._cand.size, self._cand.selected, self._cand.sorted = self.n_vocab, -1, False
+        return self._cand, logits
+
+    def _sample_constrained(self, seq: _Sequence) -> int:
+        """Sample under a grammar as llama.cpp's common sampler does: sample freely, check the
+        one token against the grammar, and only when it is refused apply the grammar to the
+        whole vocabulary and sample again. The grammar then costs a token check on most
+        steps, not a pass over every token (which slowed the whole batch)."""
+        cand, logits = self._candidates(seq.batch_index)
+        L.llama_sampler_apply(seq.sampler, ctypes.byref(cand))
+        token = cand.data[cand.selected].id
+        one = (L.llama_token_data * 1)(L.llama_token_data(token, float(logits[token]), 0.0))
+        single = L.llama_token_data_array(one, 1, -1, False)
+        L.llama_sampler_apply(seq.grammar, ctypes.byref(single))
+        if one[0].logit == float("-inf"):
+            cand, _ = self._candidates(seq.batch_index)
+            L.llama_sampler_apply(seq.grammar, ctypes.byref(cand))
+            L.llama_sampler_apply(seq.sampler, ctypes.byref(cand))
+            token = cand.data[cand.selected].id
+        L.llama_sampler_accept(seq.grammar, token)
+        L.llama_sampler_accept(seq.sampler, token)
+        return token
 
     def logprob(self, index: int, token: int, top: int) -> tuple:
         """(token, its bytes, log-probability, [(bytes, logprob) of the `top` likeliest]) under
@@ -370,10 +410,6 @@ class BatchEngine:
 
     def _new_sampler(self, s: Sampling):
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        if s.grammar:
-            # First: later samplers see only tokens the grammar allows. Its state advances
-            # with every accepted token, replayed ones (a migrated stream) included.
-            L.llama_sampler_chain_add(chain, self._grammar_sampler(s.grammar))
         # Mirrors llama-cpp-python's Llama._init_sampler so that results match it.
         if s.repeat_penalty and s.repeat_penalty != 1.0:
             L.llama_sampler_chain_add(
@@ -405,6 +441,9 @@ class BatchEngine:
                 req=req,
                 seq_id=slot.seq_id,
                 sampler=self._new_sampler(req.sampling),
+                grammar=self._grammar_sampler(req.sampling.grammar)
+                if req.sampling.grammar
+                else None,
                 limit=limit,
                 prefill=prefill,
                 prefill_pos=reused,
@@ -464,6 +503,8 @@ class BatchEngine:
         req = seq.req
         for token in req.resume_tokens:
             L.llama_sampler_accept(seq.sampler, token)  # the repeat penalty's history
+            if seq.grammar is not None:
+                L.llama_sampler_accept(seq.grammar, token)  # a migrated structured output
         seq.generated = len(req.resume_tokens)
         seq.first_token_at = time.monotonic()
         raw = b"".join(self.token_bytes(t) for t in req.resume_tokens)
@@ -592,7 +633,10 @@ class BatchEngine:
         for seq in list(self.active.values()):
             if seq.batch_index < 0:
                 continue
-            token = L.llama_sampler_sample(seq.sampler, self.ctx, seq.batch_index)
+            if seq.grammar is None:
+                token = L.llama_sampler_sample(seq.sampler, self.ctx, seq.batch_index)
+            else:
+                token = self._sample_constrained(seq)
             if seq.req.logprobs >= 0 and not L.llama_vocab_is_eog(self.vocab, token):
                 seq.new_logprobs.append(self.logprob(seq.batch_index, token, seq.req.logprobs))
             seq.batch_index = -1
@@ -671,6 +715,8 @@ class BatchEngine:
             slot.cached = []
             L.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
         L.llama_sampler_free(seq.sampler)
+        if seq.grammar is not None:
+            L.llama_sampler_free(seq.grammar)
 
     def _finish(self, seq: _Sequence, reason: str) -> tuple:
         self._release(seq, keep_cache=True)

@@ -97,6 +97,45 @@ async def test_a_moved_stream_loses_and_repeats_nothing_in_throughput_mode(
     assert "".join(text) == expected
 
 
+async def test_a_structured_output_keeps_its_grammar_across_a_move(two_replicas):
+    """The new replica replays the tokens already sent through the grammar: the answer
+    still parses and matches the schema after the engine that started it was killed."""
+    from typing import Annotated
+
+    from pydantic import BaseModel, Field
+
+    from apps.serving.services import GenerationParams, generate
+
+    class Story(BaseModel):  # bounded, so a small model cannot ramble to the token limit
+        title: Annotated[str, Field(max_length=40)]
+        lines: Annotated[
+            list[Annotated[str, Field(max_length=60)]], Field(min_length=2, max_length=3)
+        ]
+
+    _, agents = two_replicas
+    params = GenerationParams(
+        model=SMOLLM2,
+        messages=[{"role": "user", "content": "A short story as JSON with a title and lines."}],
+        max_tokens=400,
+        temperature=0,
+        json_schema=json.dumps(Story.model_json_schema()),
+    )
+    events = generate(params)
+    gen = await anext(events)
+    serving = agents[gen.target.replica_id]
+    text, pieces = [], 0
+    async for ev in events:
+        if hasattr(ev, "text"):
+            text.append(ev.text)
+            pieces += 1
+            if pieces == 6:
+                os.kill(serving.engine_pid(serving.replica_id), signal.SIGKILL)
+        else:
+            finished = ev
+    assert finished.migrations == 1 and finished.finish_reason == "stop", "".join(text)
+    Story.model_validate_json("".join(text))
+
+
 async def test_a_stream_ends_with_an_error_event_when_no_replica_can_continue(
     two_replicas, alice_key, settings
 ):
