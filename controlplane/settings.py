@@ -33,6 +33,8 @@ NODE_TOKEN = _required("LLAMAFLEET_NODE_TOKEN")
 #: Mutual TLS to agents under the cluster CA (LLAMAFLEET_TLS_CA/_CERT/_KEY); None: plaintext,
 #: and only to agents on loopback.
 AGENT_TLS = TLSFiles.from_env()
+#: Tokens a request without max_tokens reserves against its token quotas until it ends.
+QUOTA_RESERVE_TOKENS = env.int("LLAMAFLEET_QUOTA_RESERVE_TOKENS", default=256)
 #: Read-only token for Prometheus: /metrics of the control plane and of agents, nothing else.
 METRICS_TOKEN = env.str("LLAMAFLEET_METRICS_TOKEN", default="")
 ALLOWED_HOSTS = env.list("LLAMAFLEET_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]"])

@@ -487,9 +487,9 @@ async def _embed(model: str, texts: list[str]) -> tuple[list[list[float]], int, 
     raise last or ServingError(503, "no replica could serve the request", "server_error")
 
 
-async def check_quota_or_429(caller: Caller | None, request_id: str) -> None:
+async def check_quota_or_429(caller: Caller | None, request_id: str, reserve: int = 0) -> int:
     try:
-        await check_quota(caller, request_id)
+        return await check_quota(caller, request_id, reserve)
     except QuotaExceeded as exc:
         raise ServingError(
             429, exc.message, exc.type, exc.code, retry_after=exc.retry_after
@@ -525,7 +525,9 @@ async def generate(
     # Metric labels name only served models: a client's string must not become a label.
     label = metrics.model_label(params.model)
     try:
-        await check_quota_or_429(caller, usage.request_id)
+        usage.reserved = await check_quota_or_429(
+            caller, usage.request_id, params.max_tokens or settings.QUOTA_RESERVE_TOKENS
+        )
         slot = _Slot()
         gen = await start_generation(params, usage.request_id)
         label = metrics.known_model(params.model)

@@ -84,6 +84,7 @@ class Usage:
     outcome: str = UsageRecord.Outcome.CANCELLED
     error_code: str = ""
     duration: float = 0.0
+    reserved: int = 0  # tokens reserved against the quotas at admission
 
 
 def record(u: Usage) -> UsageRecord:
@@ -128,7 +129,7 @@ def record_soon(u: Usage) -> None:
     task: the stream never waits for the database."""
 
     async def write():
-        await consume_tokens(u.caller, u.prompt_tokens + u.completion_tokens)
+        await consume_tokens(u.caller, u.prompt_tokens + u.completion_tokens, u.reserved)
         for attempt in range(3):
             try:
                 await sync_to_async(_record_and_close, thread_sensitive=False)(u)
@@ -226,45 +227,56 @@ def _tokens_between(user_id: int, start: datetime, end: datetime) -> int:
     return int(total or 0)
 
 
-async def check_quota(caller: Caller | None, request_id: str) -> None:
+async def check_quota(caller: Caller | None, request_id: str, reserve: int = 0) -> int:
     """Raise QuotaExceeded when the key's application is over one of the key's limits; count
-    the request otherwise. Counts are per application (the keys' owner), so minting more keys
-    does not multiply a quota.
+    the request otherwise, and reserve `reserve` tokens (its max_tokens) against the token
+    quotas until it ends (consume_tokens settles). Returns the tokens reserved. Counts are per
+    application (the keys' owner), so minting more keys does not multiply a quota; checks and
+    reservations are atomic, so parallel requests see each other.
 
     When Redis does not answer, requests pass (logged): serving matters more than a limit.
     """
     if caller is None or caller.key_id is None:
-        return
+        return 0
     limits = (caller.requests_per_minute, caller.tokens_per_day, caller.tokens_per_month)
     if all(v is None for v in limits):
-        return
+        return 0
     try:
-        await _check(caller, request_id)
+        return await _check(caller, request_id, reserve)
     except (RedisError, OSError) as exc:
         log.warning("quotas not enforced (Redis: %s)", exc)
+        return 0
 
 
-async def _check(caller: Caller, request_id: str) -> None:
+async def _check(caller: Caller, request_id: str, reserve: int) -> int:
     r = _redis()
     now = time.time()
     utc = datetime.fromtimestamp(now, UTC)
-    for name, limit in (("day", caller.tokens_per_day), ("month", caller.tokens_per_month)):
-        if limit is None:
-            continue
-        label, start, end = _periods(utc)[name]
-        key = f"llamafleet:tokens:app:{caller.user_id}:{label}"
-        used = await r.get(key)
-        if used is None:  # Redis lost it (or a new period): rebuild from the records
+    periods = [
+        (name, limit, *_periods(utc)[name])
+        for name, limit in (("day", caller.tokens_per_day), ("month", caller.tokens_per_month))
+        if limit is not None
+    ]
+    keys = [f"llamafleet:tokens:app:{caller.user_id}:{label}" for _, _, label, _, _ in periods]
+    for key, (_, _, _, start, end) in zip(keys, periods, strict=True):
+        if await r.get(key) is None:  # Redis lost it (or a new period): rebuild from records
             used = await sync_to_async(_tokens_between)(caller.user_id, start, end)
             await r.set(key, used, nx=True, exat=int(end.timestamp()) + 86400)
-        if int(used) >= limit:
+    reserved = 0
+    if periods:
+        refused, used = await r.eval(
+            _TOKENS_SCRIPT, len(keys), *keys, reserve, *[limit for _, limit, *_ in periods]
+        )
+        if int(refused):
+            name, limit, _, _, end = periods[int(refused) - 1]
             raise QuotaExceeded(
                 "insufficient_quota",
                 "insufficient_quota",
-                f"this application has used {int(used)} of this key's {limit} tokens per {name}; "
-                f"it resets at {end:%Y-%m-%d %H:%M} UTC",
+                f"this application has used {int(used)} of this key's {limit} tokens per "
+                f"{name}; it resets at {end:%Y-%m-%d %H:%M} UTC",
                 max(int(end.timestamp() - now), 1),
             )
+        reserved = reserve
     if caller.requests_per_minute is not None:
         # Check and count in one step (a script runs atomically): parallel requests cannot
         # all see room for one more.
@@ -277,6 +289,8 @@ async def _check(caller: Caller, request_id: str) -> None:
             request_id,
         )
         if not int(admitted):
+            if reserved:
+                await _add_tokens(caller, -reserved)  # not admitted after all
             wait = math.ceil(float(oldest) + 60 - now)
             raise QuotaExceeded(
                 "rate_limit_error",
@@ -285,6 +299,21 @@ async def _check(caller: Caller, request_id: str) -> None:
                 "across its application's keys",
                 max(wait, 1),
             )
+    return reserved
+
+
+#: Token quotas: refuse (with the 1-based index of the period) when a count is already at its
+#: limit, else reserve ARGV[1] tokens on every period. KEYS: the counts; ARGV[2..]: limits.
+_TOKENS_SCRIPT = """
+for i, key in ipairs(KEYS) do
+  local used = tonumber(redis.call('get', key) or '0')
+  if used >= tonumber(ARGV[i + 1]) then return {i, used} end
+end
+for _, key in ipairs(KEYS) do
+  if redis.call('exists', key) == 1 then redis.call('incrby', key, ARGV[1]) end
+end
+return {0, 0}
+"""
 
 
 #: A sliding 60 s window: drop old entries; refuse when full (with the oldest entry's time),
@@ -301,28 +330,31 @@ return {1, '0'}
 """
 
 
-async def consume_tokens(caller: Caller | None, tokens: int) -> None:
-    """Add a finished request's tokens to its application's running day and month counts."""
-    if caller is None or caller.key_id is None or not tokens:
+async def consume_tokens(caller: Caller | None, tokens: int, reserved: int = 0) -> None:
+    """Settle a finished request: its tokens replace what was reserved at admission in its
+    application's running day and month counts."""
+    if caller is None or caller.key_id is None or tokens == reserved:
         return
     if caller.tokens_per_day is None and caller.tokens_per_month is None:
         return
     try:
-        r = _redis()
-        pipe = r.pipeline(transaction=False)
-        for label, _, _ in _periods(datetime.now(UTC)).values():
-            key = f"llamafleet:tokens:app:{caller.user_id}:{label}"
-            # Only where the count exists: a missing one is rebuilt from the records.
-            pipe.eval(
-                "if redis.call('exists', KEYS[1]) == 1 then "
-                "return redis.call('incrby', KEYS[1], ARGV[1]) end return nil",
-                1,
-                key,
-                tokens,
-            )
-        await pipe.execute()
+        await _add_tokens(caller, tokens - reserved)
     except (RedisError, OSError) as exc:
         log.warning("token count not updated (Redis: %s)", exc)
+
+
+async def _add_tokens(caller: Caller, delta: int) -> None:
+    pipe = _redis().pipeline(transaction=False)
+    for label, _, _ in _periods(datetime.now(UTC)).values():
+        # Only where the count exists: a missing one is rebuilt from the records.
+        pipe.eval(
+            "if redis.call('exists', KEYS[1]) == 1 then "
+            "return redis.call('incrby', KEYS[1], ARGV[1]) end return nil",
+            1,
+            f"llamafleet:tokens:app:{caller.user_id}:{label}",
+            delta,
+        )
+    await pipe.execute()
 
 
 # ---- reports ---------------------------------------------------------------------------------
