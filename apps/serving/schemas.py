@@ -96,7 +96,11 @@ class _Sampling(_Strict):
         None, description="Fixed seed for sampling; -1 (as in llama.cpp) means a random one."
     )
     stop: Stop | Annotated[list[Stop], Field(max_length=4)] | None = None
-    n: Literal[1] | None = Field(None, description="Only 1 is supported.")
+    n: Annotated[int, Field(ge=1, le=16)] | None = Field(
+        None,
+        description="Choices sampled from one evaluation of the prompt (its KV is copied), "
+        "at most the replica's parallel slots.",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_prompt: bool = Field(
@@ -124,6 +128,7 @@ class _Sampling(_Strict):
             seed=None if self.seed in (None, -1) else self.seed % 2**64,
             stop=stop,
             cache_prompt=self.cache_prompt,
+            n=self.n or 1,
             **fields,
         )
 
@@ -313,6 +318,8 @@ class GenerateMessage(ChatCompletionRequest):
             raise ServingError(400, "give either 'messages' or 'prompt'", param="messages")
         if self.tools:
             raise ServingError(400, "tools are served on /v1/chat/completions", param="tools")
+        if (self.n or 1) > 1:
+            raise ServingError(400, "n > 1 is served on /v1 (one stream per socket id)", param="n")
         if self.prompt is not None:
             logprobs = (self.top_logprobs or 0) if self.logprobs else -1
             return self.params(prompt=self.prompt, logprobs=logprobs)
@@ -362,7 +369,6 @@ def bad_request(exc: ValidationError) -> ServingError:
 
 
 _UNSUPPORTED = {
-    "n": "only n=1 is supported",
     "response_format": "response_format is text, json_object or json_schema",
     "presence_penalty": "only 0 is supported; use repeat_penalty",
     "frequency_penalty": "only 0 is supported; use repeat_penalty",

@@ -97,6 +97,7 @@ class GenerationParams:
     logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the k likeliest
     tools: str = ""  # OpenAI's tools list as JSON; "" for none
     tool_choice: str = ""  # none, auto or required (a named function narrows the grammar)
+    n: int = 1  # choices sampled from one evaluation of the prompt
 
     def to_request(
         self, replica_id: str, request_id: str, resume: pb.Continuation | None = None
@@ -128,6 +129,7 @@ class GenerationParams:
             stop=self.stop,
             resume=resume,
             no_prompt_cache=not self.cache_prompt,
+            n=self.n,
             logprobs=self.logprobs >= 0,
             top_logprobs=max(self.logprobs, 0),
         )
@@ -152,6 +154,7 @@ class Piece:
     text: str
     index: int
     logprobs: list = field(default_factory=list)  # pb.TokenLogprob
+    choice: int = 0  # which of the request's n choices
 
 
 @dataclass
@@ -165,6 +168,7 @@ class Finished:
     decode_seconds: float
     migrations: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV the replica reused
+    choice_reasons: list[str] = field(default_factory=list)  # per choice, when n > 1
 
 
 async def ready_targets(
@@ -330,11 +334,14 @@ class Generation:
         done = False
         try:
             msg = self._first
+            ended: dict[int, object] = {}  # choice -> its last message (n > 1)
             while True:
-                if msg.finish_reason:
+                if msg.finish_reason and self.params.n > 1:
+                    ended[msg.choice] = msg
+                if msg.finish_reason and (self.params.n == 1 or len(ended) == self.params.n):
                     done = True
                     self._close(cancel=False)
-                    yield self._finished(msg)
+                    yield self._finished(msg, ended)
                     return
                 self.token_ids.extend(msg.token_ids)
                 self.prompt_tokens = msg.prompt_tokens or self.prompt_tokens
@@ -342,7 +349,7 @@ class Generation:
                 if msg.text:
                     if not self.first_token_at:
                         self.first_token_at = time.monotonic()
-                    piece = Piece(msg.text, self._pieces, self._logprobs)
+                    piece = Piece(msg.text, self._pieces, self._logprobs, msg.choice)
                     self._logprobs = []
                     self._pieces += 1
                     yield piece
@@ -359,8 +366,8 @@ class Generation:
                 except grpc.aio.AioRpcError as exc:
                     self._close(cancel=False)
                     err = _error_from_rpc(exc)
-                    if not _replica_lost(exc):
-                        raise err from None
+                    if not _replica_lost(exc) or self.params.n > 1:
+                        raise err from None  # n choices do not move (one may be done)
                     await self._migrate(err)
                     msg = self._first
                 except ServingError as err:
@@ -371,17 +378,20 @@ class Generation:
             if not done:
                 self._close(cancel=True)
 
-    def _finished(self, msg) -> Finished:
+    def _finished(self, msg, ended: dict | None = None) -> Finished:
+        """The end; with n choices, their completion tokens summed (the prompt counts once)."""
         end = time.monotonic()
         first = self.first_token_at or end
+        ends = [ended[k] for k in sorted(ended)] if ended else [msg]
         return Finished(
             _FINISH.get(msg.finish_reason, "stop"),
             msg.usage.prompt_tokens,
-            msg.usage.completion_tokens,
+            sum(m.usage.completion_tokens for m in ends),
             first - self.started,
             end - first,
             self.migrations,
             msg.usage.cached_tokens,
+            [_FINISH.get(m.finish_reason, "stop") for m in ends],
         )
 
 

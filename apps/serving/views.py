@@ -197,41 +197,45 @@ def _buffered(params: GenerationParams, shape: str) -> bool:
 async def _collect(
     events: AsyncIterator, gen: Generation, params: GenerationParams, shape: str
 ) -> HttpResponse:
-    parts: list[str] = []
-    entries: list = []
+    parts: list[list[str]] = [[] for _ in range(params.n)]
+    entries: list[list] = [[] for _ in range(params.n)]
     try:
         async for ev in events:
             if isinstance(ev, Piece):
-                parts.append(ev.text)
-                entries.extend(ev.logprobs)
+                parts[ev.choice].append(ev.text)
+                entries[ev.choice].extend(ev.logprobs)
             else:
                 finished = ev
     except ServingError as err:
         return error_response(err)
-    text = "".join(parts)
     ident, obj = _ids(gen, shape)
-    reason = "stop" if finished.finish_reason == "cancelled" else finished.finish_reason
-    logprobs = _logprobs(entries, shape) if params.logprobs >= 0 else None
-    message = {"role": "assistant", "content": text}
-    call = _tool_call(text, params) if shape == "chat" else None
-    if call is not None:
-        message, reason = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
-    choice = (
-        {
-            "index": 0,
-            "message": message,
-            "finish_reason": reason,
-            "logprobs": logprobs,
-        }
-        if shape == "chat"
-        else {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
-    )
+    reasons = finished.choice_reasons or [finished.finish_reason]
+    choices = []
+    for k in range(params.n):
+        text = "".join(parts[k])
+        reason = "stop" if reasons[k] == "cancelled" else reasons[k]
+        logprobs = _logprobs(entries[k], shape) if params.logprobs >= 0 else None
+        if shape != "chat":
+            choices.append(
+                {"index": k, "text": text, "finish_reason": reason, "logprobs": logprobs}
+            )
+            continue
+        message = {"role": "assistant", "content": text}
+        call = _tool_call(text, params)
+        if call is not None:
+            message, reason = (
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                "tool_calls",
+            )
+        choices.append(
+            {"index": k, "message": message, "finish_reason": reason, "logprobs": logprobs}
+        )
     body = {
         "id": ident,
         "object": obj,
         "created": now(),
         "model": params.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": _usage(finished),
         "system_fingerprint": f"llamafleet-{gen.target.deployment}",
     }
@@ -255,13 +259,12 @@ async def _stream(
         "model": params.model,
         "system_fingerprint": f"llamafleet-{gen.target.deployment}",
     }
-
-    sent = 0  # characters streamed so far: the legacy shape's text offsets
+    sent = [0] * params.n  # characters streamed per choice: the legacy text offsets
 
     def chunk(
-        text: str | None, reason: str | None, first: bool = False, entries=(), call=None
+        k: int, text: str | None, reason: str | None, first: bool = False, entries=(), call=None
     ) -> dict:
-        logprobs = _logprobs(list(entries), shape, sent) if params.logprobs >= 0 else None
+        logprobs = _logprobs(list(entries), shape, sent[k]) if params.logprobs >= 0 else None
         if shape == "chat":
             delta = (
                 {"role": "assistant", "content": ""}
@@ -270,34 +273,37 @@ async def _stream(
             )
             if call is not None:
                 delta = {"tool_calls": [{"index": 0} | call]}
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+            choice = {"index": k, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
+            choice = {"index": k, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         return base | {"choices": [choice]} | ({"usage": None} if include_usage else {})
 
     async with aclosing(events):  # a client that goes away frees its slot at once
         if shape == "chat":
-            yield _sse(chunk(None, None, first=True))
+            for k in range(params.n):
+                yield _sse(chunk(k, None, None, first=True))
         try:
-            held: list[Piece] = []
+            held: list[list[Piece]] = [[] for _ in range(params.n)]
             async for ev in events:
                 if isinstance(ev, Piece) and _buffered(params, shape):
-                    held.append(ev)
+                    held[ev.choice].append(ev)
                 elif isinstance(ev, Piece):
-                    yield _sse(chunk(ev.text, None, entries=ev.logprobs))
-                    sent += len(ev.text)
+                    yield _sse(chunk(ev.choice, ev.text, None, entries=ev.logprobs))
+                    sent[ev.choice] += len(ev.text)
                 else:
-                    reason = "stop" if ev.finish_reason == "cancelled" else ev.finish_reason
-                    if held:
-                        text = "".join(p.text for p in held)
-                        entries = [e for p in held for e in p.logprobs]
-                        call = _tool_call(text, params)
-                        if call is not None:
-                            yield _sse(chunk(None, None, entries=entries, call=call))
-                            reason = "tool_calls"
-                        else:
-                            yield _sse(chunk(text, None, entries=entries))
-                    yield _sse(chunk(None, reason))
+                    reasons = ev.choice_reasons or [ev.finish_reason]
+                    for k in range(params.n):
+                        reason = "stop" if reasons[k] == "cancelled" else reasons[k]
+                        if held[k]:
+                            text = "".join(p.text for p in held[k])
+                            entries = [e for p in held[k] for e in p.logprobs]
+                            call = _tool_call(text, params)
+                            if call is not None:
+                                yield _sse(chunk(k, None, None, entries=entries, call=call))
+                                reason = "tool_calls"
+                            else:
+                                yield _sse(chunk(k, text, None, entries=entries))
+                        yield _sse(chunk(k, None, reason))
                     if include_usage:
                         yield _sse(base | {"choices": [], "usage": _usage(ev)})
         except ServingError as err:

@@ -291,7 +291,7 @@ async def _check(caller: Caller, request_id: str, reserve: int) -> int:
         if not int(admitted):
             if reserved:
                 await _add_tokens(caller, -reserved)  # not admitted after all
-            wait = math.ceil(float(oldest) + 60 - now)
+            wait = min(math.ceil(float(oldest) + 60 - now), 60)  # oldest may be a later now
             raise QuotaExceeded(
                 "rate_limit_error",
                 "rate_limit_exceeded",

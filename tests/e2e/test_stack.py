@@ -198,6 +198,28 @@ def test_a_named_function_is_the_one_called(stack):
     assert call.function.name == "get_time" and "zone" in json.loads(call.function.arguments)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_sdk_n_choices_are_different_samples(stack, stream):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["key"])
+    ask = dict(model=SMOLLM2, messages=CHAT, n=2, temperature=1.0, seed=3, max_tokens=24)
+    if stream:
+        texts = ["", ""]
+        reasons = {}
+        for c in client.chat.completions.create(stream=True, **ask):
+            for choice in c.choices:
+                texts[choice.index] += choice.delta.content or ""
+                if choice.finish_reason:
+                    reasons[choice.index] = choice.finish_reason
+        assert set(reasons) == {0, 1}
+    else:
+        reply = client.chat.completions.create(**ask)
+        assert [c.index for c in reply.choices] == [0, 1]
+        texts = [c.message.content for c in reply.choices]
+    assert all(texts) and texts[0] != texts[1]
+
+
 def test_openai_sdk_embeddings_equal_llama_in_process(stack, smollm2_path):
     from llama_cpp import LLAMA_POOLING_TYPE_MEAN, Llama
     from openai import OpenAI

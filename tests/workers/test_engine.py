@@ -518,3 +518,28 @@ def test_logprobs_are_the_models_own_log_probabilities(engine):
         # Greedy: the chosen token is the likeliest, and the first alternative is itself.
         assert top[0] == (piece, lp) and all(top[i][1] >= top[i + 1][1] for i in range(2))
     assert b"".join(e[1] for e in entries).decode() == texts["lp"]
+
+
+def test_n_choices_evaluate_the_prompt_once_and_sample_apart(engine):
+    decoded = []
+    real = engine._decode
+
+    def counting(n, events):
+        decoded.append(n)
+        return real(n, events)
+
+    engine._decode = counting
+    try:
+        prompt = chat_tokens(engine, [{"role": "user", "content": "Write a poem about rain."}])
+        texts, done, errors = run(
+            engine, [Request("r", prompt, 24, Sampling(temperature=1.0, seed=7), n=3)]
+        )
+    finally:
+        engine._decode = real
+    assert not errors and set(done) == {"r", "r#1", "r#2"}
+    generated = sum(done[k][3]["completion_tokens"] for k in done)
+    # The prompt was decoded once; every later token once per choice.
+    assert sum(decoded) <= len(prompt) + generated
+    assert len({texts[k] for k in done}) == 3  # three samples, three texts
+    with pytest.raises(EngineError, match="slots"):
+        engine.submit(Request("too-many", prompt, 4, Sampling(), n=5))

@@ -177,6 +177,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             async for event in replica.engine.generate(payload):
                 if event[0] == "token":
                     yield pb.InferenceResponse(
+                        choice=_choice(event[1]),
                         text=event[2],
                         index=event[3],
                         token_ids=event[4],
@@ -197,6 +198,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
                         replica.replica_id, replica.model_name, reason, usage, timings
                     )
                     yield pb.InferenceResponse(
+                        choice=_choice(event[1]),
                         finish_reason=_FINISH[reason],
                         usage=pb.Usage(**usage),
                         timings=pb.Timings(**timings),
@@ -324,7 +326,13 @@ def inference_payload(request: pb.InferenceRequest) -> dict:
         "json_schema": request.json_schema,
         "logprobs": request.top_logprobs if request.logprobs else -1,
         "tools": json.loads(request.tools) if request.tools else None,
+        "n": request.n or 1,
     }
+
+
+def _choice(engine_id: str) -> int:
+    """Choice k of a request: the engine names its events "<id>#<k>"."""
+    return int(engine_id.partition("#")[2] or 0)
 
 
 def chat_message(m: pb.ChatMessage) -> dict:

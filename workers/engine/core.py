@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import dataclasses
 import math
 import random
 import time
@@ -69,6 +70,9 @@ class Request:
     cache_prompt: bool = True
     #: -1: no log-probabilities; k >= 0: each sampled token's, with the k likeliest.
     logprobs: int = -1
+    #: Choices to sample from one prompt: the prompt is evaluated once, in the first choice's
+    #: slot, and its KV copied to the others' (their events carry "<request_id>#<k>").
+    n: int = 1
 
 
 @dataclass
@@ -109,6 +113,7 @@ class _Sequence:
     new_tokens: list[int] = field(default_factory=list)  # sampled, not yet sent with text
     new_logprobs: list[tuple] = field(default_factory=list)  # theirs, when asked (logprob())
     grammar: ctypes.c_void_p | None = None  # structured output's grammar sampler, if any
+    follows: _Sequence | None = None  # an extra choice waiting for this one's prompt KV
     sampled: list[int] = field(default_factory=list)  # every token sampled here
     emitted: int = 0  # pieces emitted
     admitted_at: float = 0.0
@@ -373,6 +378,12 @@ class BatchEngine:
             )
         if len(self.waiting) >= self.max_queue:
             raise EngineError("OVERLOADED", f"the queue of this replica is full ({self.max_queue})")
+        if req.n > len(self.slots) or (req.n > 1 and (req.resume_tokens or self.invariant)):
+            raise EngineError(
+                "INVALID_ARGUMENT",
+                f"n={req.n} needs as many free slots (this replica has {len(self.slots)}), "
+                "a throughput-mode replica and no resumed tokens",
+            )
         if req.sampling.grammar:
             L.llama_sampler_free(self._grammar_sampler(req.sampling.grammar))  # parses, or 400
         self.waiting.append(req)
@@ -383,10 +394,12 @@ class BatchEngine:
             if req.request_id == request_id:
                 self.waiting.remove(req)
                 return [self._done_event_for_waiting(req, "cancelled")]
-        seq = self.active.get(request_id)
-        if seq is None:
-            return []
-        return [self._finish(seq, "cancelled")]
+        seqs = [
+            s
+            for rid, s in list(self.active.items())
+            if rid == request_id or rid.startswith(f"{request_id}#")  # its extra choices
+        ]
+        return [self._finish(s, "cancelled") for s in seqs]
 
     def _done_event_for_waiting(self, req: Request, reason: str) -> tuple:
         now = time.monotonic()
@@ -430,7 +443,7 @@ class BatchEngine:
     def _admit(self, events: list[tuple]) -> None:
         while self.waiting:
             free = [slot for slot in self.slots if not slot.busy]
-            if not free:
+            if len(free) < self.waiting[0].n:
                 return
             req = self.waiting.popleft()
             room = self.context_length - len(req.prompt_tokens)
@@ -454,6 +467,42 @@ class BatchEngine:
             self.active[req.request_id] = seq
             if req.resume_tokens:
                 self._resume(seq, events)
+            for k in range(1, req.n):
+                self._add_choice(seq, k)
+
+    def _add_choice(self, first: _Sequence, k: int) -> None:
+        """Choice k of a request: its own slot and sampler (seed + k), waiting for the first
+        choice's prompt KV instead of evaluating the prompt again."""
+        req = first.req
+        seed = None if req.sampling.seed is None else req.sampling.seed + k
+        sub = dataclasses.replace(
+            req,
+            request_id=f"{req.request_id}#{k}",
+            n=1,
+            sampling=dataclasses.replace(req.sampling, seed=seed),
+        )
+        free = [slot for slot in self.slots if not slot.busy]
+        slot, _ = self._claim(min(free, key=lambda s: (len(s.cached) > 0, s.last_used)), None, 0)
+        self.active[sub.request_id] = _Sequence(
+            req=sub,
+            seq_id=slot.seq_id,
+            sampler=self._new_sampler(sub.sampling),
+            grammar=self._grammar_sampler(sub.sampling.grammar) if sub.sampling.grammar else None,
+            limit=first.limit,
+            prefill=first.prefill,
+            prefill_pos=len(first.prefill),
+            admitted_at=time.monotonic(),
+            follows=first,
+        )
+
+    def _fork(self, first: _Sequence) -> None:
+        """The first choice's prompt is in its KV and its logits are out: copy both to the
+        choices that wait for it (llama.cpp copies the KV stream at the next decode)."""
+        for seq in self.active.values():
+            if seq.follows is first:
+                L.llama_memory_seq_cp(self.memory, first.seq_id, seq.seq_id, -1, -1)
+                seq.n_past, seq.follows = first.n_past, None
+                seq.batch_index = first.batch_index
 
     def _take_slot(self, free: list[_Slot], tokens: list[int], reuse: bool) -> tuple[_Slot, int]:
         """The free slot to use for a prompt, and how many of its tokens that slot's KV holds.
@@ -545,6 +594,8 @@ class BatchEngine:
         reading = []
         for seq in self.active.values():
             seq.batch_index = -1
+            if seq.follows is not None:
+                continue  # an extra choice: its prompt KV comes from the first choice
             if seq.prefill_pos < len(seq.prefill):
                 reading.append(seq)
                 continue
@@ -633,6 +684,8 @@ class BatchEngine:
         for seq in list(self.active.values()):
             if seq.batch_index < 0:
                 continue
+            if seq.generated == 0 and seq.req.n > 1:
+                self._fork(seq)
             if seq.grammar is None:
                 token = L.llama_sampler_sample(seq.sampler, self.ctx, seq.batch_index)
             else:

@@ -256,6 +256,7 @@ def child_main(conn, config: EngineConfig) -> None:
                             delivered_bytes=int(payload.get("delivered_bytes") or 0),
                             cache_prompt=bool(payload.get("cache_prompt", True)),
                             logprobs=int(payload.get("logprobs", -1)),
+                            n=int(payload.get("n") or 1),
                         )
                     )
                 except EngineError as exc:
@@ -403,7 +404,7 @@ class EngineProcess:
             if not self._ready.done():
                 self._ready.set_exception(EngineError(msg[1], msg[2]))
         else:
-            queue = self._streams.get(msg[1])
+            queue = self._streams.get(msg[1].partition("#")[0])  # "<id>#<k>": choice k
             if queue is not None:
                 queue.put_nowait(msg)
 
@@ -441,12 +442,14 @@ class EngineProcess:
             )
 
     async def generate(self, payload: dict) -> AsyncIterator[tuple]:
-        """Yield "token" events, then one "done" event (see the module docstring)."""
+        """Yield "token" events, then one "done" event per choice (see the module docstring);
+        choice k > 0 of a request with n choices has events whose id ends in "#k"."""
         self._require_ready()
         rid = f"g{next(_ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
         finished = False
+        remaining = int(payload.get("n") or 1)
         try:
             self._send(("generate", rid, payload))
             while True:
@@ -455,9 +458,12 @@ class EngineProcess:
                     finished = True
                     raise EngineError(msg[2], msg[3])
                 if msg[0] == "done":
-                    finished = True
+                    remaining -= 1
+                    finished = remaining == 0
                     yield msg
-                    return
+                    if finished:
+                        return
+                    continue
                 yield msg
         finally:
             del self._streams[rid]

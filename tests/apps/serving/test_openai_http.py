@@ -111,7 +111,12 @@ async def test_errors_have_openais_shape(deployed, alice_key):
             400,
             None,
         ),
-        (alice_key, {"model": SMOLLM2, "messages": CHAT, "n": 3}, 400, None),
+        (
+            alice_key,
+            {"model": SMOLLM2, "messages": CHAT, "n": 16},
+            400,
+            None,
+        ),  # more choices than slots
     ]
     for key, body, status, code in cases:
         resp = await post(key, body)

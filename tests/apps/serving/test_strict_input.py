@@ -69,7 +69,8 @@ CASES = [
     (CHAT, json.dumps(chat(stop=[1])).encode(), "stop"),
     (CHAT, json.dumps(chat(stream="yes")).encode(), "stream"),
     (CHAT, json.dumps(chat(stream_options=[1])).encode(), "stream_options"),
-    (CHAT, json.dumps(chat(n=2)).encode(), "n"),
+    (CHAT, json.dumps(chat(n=17)).encode(), "n"),
+    (CHAT, json.dumps(chat(n=0)).encode(), "n"),
     (CHAT, json.dumps(chat(top_logprobs=2)).encode(), "body"),  # without logprobs: true
     (CHAT, json.dumps(chat(logprobs=True, top_logprobs=21)).encode(), "top_logprobs"),
     (
