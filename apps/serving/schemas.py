@@ -244,10 +244,15 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("give tools or a structured response_format, not both")
         return self
 
+    @property
+    def logprobs_k(self) -> int:
+        """GenerationParams.logprobs: -1 for none, else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else -1
+
     def generation(self) -> GenerationParams:
         params = self.params(messages=[m.as_dict() for m in self.messages])
         params.max_tokens = self.max_completion_tokens or params.max_tokens
-        params.logprobs = (self.top_logprobs or 0) if self.logprobs else -1
+        params.logprobs = self.logprobs_k
         fmt = self.response_format
         if isinstance(fmt, ResponseFormatJSONObject):
             params.json_schema = '{"type": "object"}'
@@ -321,8 +326,7 @@ class GenerateMessage(ChatCompletionRequest):
         if (self.n or 1) > 1:
             raise ServingError(400, "n > 1 is served on /v1 (one stream per socket id)", param="n")
         if self.prompt is not None:
-            logprobs = (self.top_logprobs or 0) if self.logprobs else -1
-            return self.params(prompt=self.prompt, logprobs=logprobs)
+            return self.params(prompt=self.prompt, logprobs=self.logprobs_k)
         return super().generation()
 
 

@@ -284,8 +284,9 @@ async def _stream(
                 yield _sse(chunk(k, None, None, first=True))
         try:
             held: list[list[Piece]] = [[] for _ in range(params.n)]
+            buffered = _buffered(params, shape)
             async for ev in events:
-                if isinstance(ev, Piece) and _buffered(params, shape):
+                if isinstance(ev, Piece) and buffered:
                     held[ev.choice].append(ev)
                 elif isinstance(ev, Piece):
                     yield _sse(chunk(ev.choice, ev.text, None, entries=ev.logprobs))

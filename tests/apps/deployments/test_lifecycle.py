@@ -73,11 +73,8 @@ def test_without_nodes_it_waits_with_a_reason_then_deploys(
     wait_for(lambda: state_of("smollm2-135m-instruct") == "ready")
 
 
-def test_a_control_plane_blip_leaves_the_fleet_serving(
-    ops, smollm2_model, registered_agent, celery_worker_thread
-):
-    """Heartbeats stopped reaching us (web or database out) but the agent serves on: the
-    sweep asks the agent itself, and nothing is failed or freed."""
+def deploy_one_replica(ops, agent) -> tuple[Replica, int]:
+    """Deploy SmolLM2 once on the agent; the ready replica and its engine's pid."""
     ops.post(
         "/api/v1/deployments/",
         {"model": "smollm2-135m-instruct", "context_length": 256, "parallel": 1},
@@ -85,7 +82,15 @@ def test_a_control_plane_blip_leaves_the_fleet_serving(
     )
     wait_for(lambda: state_of("smollm2-135m-instruct") == "ready")
     [r] = Replica.objects.all()
-    pid = registered_agent.engine_pid(str(r.pk))
+    return r, agent.engine_pid(str(r.pk))
+
+
+def test_a_control_plane_blip_leaves_the_fleet_serving(
+    ops, smollm2_model, registered_agent, celery_worker_thread
+):
+    """Heartbeats stopped reaching us (web or database out) but the agent serves on: the
+    sweep asks the agent itself, and nothing is failed or freed."""
+    r, pid = deploy_one_replica(ops, registered_agent)
     Node.objects.update(last_heartbeat_at=timezone.now() - timedelta(minutes=5))
     assert sweep_stale_nodes() == []
     node = Node.objects.get()
@@ -99,14 +104,7 @@ def test_a_lost_node_that_comes_back_with_its_replicas_gets_them_readopted(
 ):
     """A node that neither reports nor answers is unreachable: its replicas leave routing but
     are not freed. When it reports again holding them, they serve again, same engine."""
-    ops.post(
-        "/api/v1/deployments/",
-        {"model": "smollm2-135m-instruct", "context_length": 256, "parallel": 1},
-        format="json",
-    )
-    wait_for(lambda: state_of("smollm2-135m-instruct") == "ready")
-    [r] = Replica.objects.all()
-    pid = registered_agent.engine_pid(str(r.pk))
+    r, pid = deploy_one_replica(ops, registered_agent)
     address = Node.objects.get().address
     # A partition: the agent can neither report nor be reached (its address leads nowhere).
     Node.objects.update(

@@ -31,6 +31,25 @@ def text_of(payloads: list) -> str:
     return "".join(out)
 
 
+async def generate_killing_replica(params, agents: dict, after: int):
+    """Run a generation through the serving path; after `after` pieces, SIGKILL the engine
+    serving it. Returns the Generation, the texts of its pieces and its Finished event."""
+    from apps.serving.services import generate
+
+    events = generate(params)
+    gen = await anext(events)
+    serving = agents[gen.target.replica_id]
+    text = []
+    async for ev in events:
+        if hasattr(ev, "text"):
+            text.append(ev.text)
+            if len(text) == after:
+                os.kill(serving.engine_pid(serving.replica_id), signal.SIGKILL)
+        else:
+            finished = ev
+    return gen, text, finished
+
+
 def metric(name: str, **labels) -> float:
     from prometheus_client import REGISTRY
 
@@ -75,22 +94,11 @@ async def test_a_moved_stream_loses_and_repeats_nothing_in_throughput_mode(
 ):
     """Default mode: the new replica continues from the exact tokens already sent. The
     engine sends each piece's token ids; the client's text must be exactly their text."""
-    from apps.serving.services import GenerationParams, generate
+    from apps.serving.services import GenerationParams
 
     _, agents = two_replicas
     params = GenerationParams(model=SMOLLM2, messages=STORY, max_tokens=120, temperature=0)
-    events = generate(params)
-    gen = await anext(events)
-    serving = agents[gen.target.replica_id]
-    text, pieces = [], 0
-    async for ev in events:
-        if hasattr(ev, "text"):
-            text.append(ev.text)
-            pieces += 1
-            if pieces == 12:
-                os.kill(serving.engine_pid(serving.replica_id), signal.SIGKILL)
-        else:
-            finished = ev
+    gen, text, finished = await generate_killing_replica(params, agents, after=12)
     assert finished.migrations == 1 and finished.completion_tokens == 120
     assert len(gen.token_ids) == 120
     expected = reference_llama.detokenize(gen.token_ids).decode("utf-8", errors="replace")
@@ -104,7 +112,7 @@ async def test_a_structured_output_keeps_its_grammar_across_a_move(two_replicas)
 
     from pydantic import BaseModel, Field
 
-    from apps.serving.services import GenerationParams, generate
+    from apps.serving.services import GenerationParams
 
     class Story(BaseModel):  # bounded, so a small model cannot ramble to the token limit
         title: Annotated[str, Field(max_length=40)]
@@ -120,18 +128,7 @@ async def test_a_structured_output_keeps_its_grammar_across_a_move(two_replicas)
         temperature=0,
         json_schema=json.dumps(Story.model_json_schema()),
     )
-    events = generate(params)
-    gen = await anext(events)
-    serving = agents[gen.target.replica_id]
-    text, pieces = [], 0
-    async for ev in events:
-        if hasattr(ev, "text"):
-            text.append(ev.text)
-            pieces += 1
-            if pieces == 6:
-                os.kill(serving.engine_pid(serving.replica_id), signal.SIGKILL)
-        else:
-            finished = ev
+    gen, text, finished = await generate_killing_replica(params, agents, after=6)
     assert finished.migrations == 1 and finished.finish_reason == "stop", "".join(text)
     Story.model_validate_json("".join(text))
 
