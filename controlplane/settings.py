@@ -216,6 +216,12 @@ MODEL_STORE_DIR = Path(env.str("LLAMAFLEET_MODEL_STORE", default=str(VAR_DIR / "
 #: A node whose last heartbeat is older than this is marked unreachable.
 HEARTBEAT_TIMEOUT_SECONDS = env.int("LLAMAFLEET_HEARTBEAT_TIMEOUT", default=20)
 #: Base URL agents use to download model files from this control plane.
+# Hugging Face pulls: the hub (or a mirror, as huggingface_hub's HF_ENDPOINT) and a token for
+# gated or private repositories. The token is a secret: it is redacted from logs.
+HF_ENDPOINT = env.str("HF_ENDPOINT", default="https://huggingface.co").rstrip("/")
+HF_TOKEN = env.str("HF_TOKEN", default="")
+# A quantization job's whole call to its agent (quantize, measure, send the file), seconds.
+QUANTIZE_TIMEOUT = env.float("LLAMAFLEET_QUANTIZE_TIMEOUT", default=3600.0)
 PUBLIC_URL = env.str("LLAMAFLEET_PUBLIC_URL", default="http://127.0.0.1:8000")
 DEFAULT_CONTEXT_LENGTH = env.int("LLAMAFLEET_DEFAULT_CONTEXT", default=2048)
 DEFAULT_PARALLEL = env.int("LLAMAFLEET_DEFAULT_PARALLEL", default=4)

@@ -250,14 +250,17 @@ def smollm2_model(db, settings_store, smollm2_path):
     from apps.catalog.models import CatalogModel
     from apps.catalog.sources import KNOWN_MODELS
 
-    return CatalogModel.objects.create(
+    sha256, size = KNOWN_MODELS[SMOLLM2].sha256, smollm2_path.stat().st_size
+    model = CatalogModel.objects.create(
         name=SMOLLM2,
         source="test",
         state=CatalogModel.State.READY,
-        sha256=KNOWN_MODELS[SMOLLM2].sha256,
-        size_bytes=smollm2_path.stat().st_size,
+        sha256=sha256,
+        size_bytes=size,
         **read_metadata(smollm2_path),
     )
+    model.files.create(index=0, sha256=sha256, size_bytes=size, name=f"{SMOLLM2}.gguf")
+    return model
 
 
 @pytest.fixture

@@ -13,6 +13,28 @@ class BadGGUF(ValueError):
 
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+#: llama.cpp's split naming (gguf-split, llama_split_path): the first part is loaded and
+#: llama.cpp finds the others beside it by this pattern.
+SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_part_name(stem: str, index: int, count: int) -> str:
+    """The name llama.cpp expects for part `index` (0-based) of `count`."""
+    return f"{stem}-{index + 1:05d}-of-{count:05d}.gguf"
+
+
+def split_siblings(path: str | Path) -> list[Path]:
+    """All parts of the split a file belongs to, in order (just the file when not a split)."""
+    path = Path(path)
+    m = SPLIT_NAME.match(path.name)
+    if not m:
+        return [path]
+    count = int(m.group("count"))
+    parts = [path.with_name(split_part_name(m.group("stem"), i, count)) for i in range(count)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise BadGGUF(f"split parts missing beside {path.name}: {', '.join(missing)}")
+    return parts
 
 
 def _field(reader: gguf.GGUFReader, key: str):
@@ -25,26 +47,52 @@ def _field(reader: gguf.GGUFReader, key: str):
         return None
 
 
-def read_metadata(path: str | Path) -> dict:
-    """Architecture, shape and per-layer byte counts of a GGUF file; raises BadGGUF."""
-    path = Path(path)
-    size = path.stat().st_size
+def _open(path: Path) -> gguf.GGUFReader:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises a variety of errors on bad input
         # The reader maps tensors as it parses, so a short file fails inside it.
-        raise BadGGUF(f"not a readable GGUF file (truncated or corrupt): {exc}") from exc
+        raise BadGGUF(
+            f"{path.name} is not a readable GGUF file (truncated or corrupt): {exc}"
+        ) from exc
+    size = path.stat().st_size
+    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise BadGGUF(f"{path.name} is truncated: tensors need {end} bytes, the file has {size}")
+    return reader
+
+
+def _check_split(readers: list[gguf.GGUFReader]) -> None:
+    """The parts are one split, complete and in order (what llama.cpp will check on load)."""
+    count = int(_field(readers[0], "split.count") or 1)
+    if count != len(readers):
+        raise BadGGUF(f"the first part says split.count={count}, {len(readers)} parts given")
+    for i, r in enumerate(readers):
+        no = _field(r, "split.no")
+        if count > 1 and (no is None or int(no) != i):
+            raise BadGGUF(f"part {i + 1} does not say split.no={i}")
+    declared = _field(readers[0], "split.tensors.count")
+    found = sum(len(r.tensors) for r in readers)
+    if declared is not None and int(declared) != found:
+        raise BadGGUF(f"the split declares {declared} tensors, its parts hold {found}")
+
+
+def read_metadata(paths: str | Path | list) -> dict:
+    """Architecture, shape and per-layer byte counts of a GGUF model (one file, or every part
+    of a split in order); raises BadGGUF."""
+    paths = [Path(p) for p in paths] if isinstance(paths, list | tuple) else [Path(paths)]
+    readers = [_open(p) for p in paths]
+    _check_split(readers)
+    reader = readers[0]  # the first part carries every key; the others only split.*
+    tensors = [t for r in readers for t in r.tensors]
     arch = _field(reader, "general.architecture")
     if not arch:
         raise BadGGUF("general.architecture is missing")
-    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
-    if end > size:
-        raise BadGGUF(f"truncated: tensors need {end} bytes, the file has {size}")
     n_layers = int(_field(reader, f"{arch}.block_count") or 0)
     per_layer = [0] * n_layers
     other = 0
     sizes = {}
-    for t in reader.tensors:
+    for t in tensors:
         m = _BLOCK.match(t.name)
         if m and int(m.group(1)) < n_layers:
             per_layer[int(m.group(1))] += int(t.n_bytes)
@@ -66,7 +114,7 @@ def read_metadata(path: str | Path) -> dict:
     return {
         "architecture": str(arch),
         "display_name": str(_field(reader, "general.name") or ""),
-        "parameters": int(sum(int(t.n_elements) for t in reader.tensors)),
+        "parameters": int(sum(int(t.n_elements) for t in tensors)),
         "quantization": quantization,
         "n_layers": n_layers,
         "n_heads": n_heads,

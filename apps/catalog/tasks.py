@@ -9,3 +9,11 @@ from apps.catalog import services
 def run_pull(job_id: int) -> str:
     """Run one pull job by id; its row records progress and outcome."""
     return services.run_pull(job_id).state
+
+
+@shared_task(time_limit=7200, soft_time_limit=7100)
+def run_quantize(job_id: int) -> str:
+    """Run one quantization job by id; its row records progress and outcome."""
+    from apps.catalog import quantization
+
+    return quantization.run_quantize(job_id).state

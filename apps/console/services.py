@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from django.db.models import Avg, Count, Sum
+from django.db.models import Avg, Count, Q, Sum
 from django.utils import timezone
 
-from apps.catalog.api.serializers import CatalogModelSerializer
-from apps.catalog.models import CatalogModel
+from apps.catalog.api.serializers import CatalogModelSerializer, QuantizeJobSerializer
+from apps.catalog.models import CatalogModel, QuantizeJob
 from apps.deployments.api.serializers import DeploymentSerializer
 from apps.deployments.models import Deployment
 from apps.nodes.api.serializers import NodeSerializer
@@ -20,10 +20,21 @@ WINDOW = timedelta(minutes=5)
 
 
 def snapshot() -> dict:
-    models = CatalogModelSerializer(CatalogModel.objects.prefetch_related("pulls"), many=True).data
+    rows = CatalogModel.objects.select_related("parent").prefetch_related(
+        "pulls", "files", "variants", "deployments"
+    )
+    models = CatalogModelSerializer(rows, many=True).data
     for m in models:
         m.pop("chat_template", None)  # long, and not shown
         m.pop("bytes_per_layer", None)
+    quantization_of = {m["name"]: m["quantization"] for m in models}
+    recent = timezone.now() - timedelta(hours=1)
+    quantizations = QuantizeJobSerializer(
+        QuantizeJob.objects.filter(Q(finished_at__isnull=True) | Q(finished_at__gte=recent))
+        .select_related("source", "result", "node")
+        .order_by("-created_at")[:20],
+        many=True,
+    ).data
     since = timezone.now() - WINDOW
     figures = {
         row["deployment"]: {
@@ -48,8 +59,11 @@ def snapshot() -> dict:
     ).data
     for d in deployments:
         d["figures"] = figures.get(d["name"])
+        # A split runs one file: every stage holds tensors of this one quantization.
+        d["quantization"] = quantization_of.get(d["model"], "")
     return {
         "nodes": NodeSerializer(Node.objects.all(), many=True).data,
         "models": models,
+        "quantizations": quantizations,
         "deployments": deployments,
     }

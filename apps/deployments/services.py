@@ -14,10 +14,10 @@ import grpc
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Count
-from django.urls import reverse
 from django.utils import timezone
 
 from apps.catalog.models import CatalogModel
+from apps.catalog.services import agent_files
 from apps.deployments import placement
 from apps.deployments.models import Deployment, DeploymentEvent, PlanStage, Replica, ShardPlan
 from apps.nodes import agent_client
@@ -327,8 +327,7 @@ def load(replica_id: str) -> None:
         model_name=model.name,
         sha256=model.sha256,
         size_bytes=model.size_bytes,
-        download_url=settings.PUBLIC_URL.rstrip("/")
-        + reverse("agent-model-file", kwargs={"sha256": model.sha256}),
+        files=agent_files(model),
         context_length=d.context_length,
         parallel=d.parallel,
         chat_template=model.chat_template,

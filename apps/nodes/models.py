@@ -28,6 +28,9 @@ class Node(models.Model):
     memory_total_bytes = models.BigIntegerField(default=0)
     memory_available_bytes = models.BigIntegerField(default=0)
     memory_in_use_bytes = models.BigIntegerField(default=0)
+    disk_free_bytes = models.BigIntegerField(
+        default=0, help_text="Free bytes where the agent keeps model files."
+    )
     load_average = models.FloatField(default=0, help_text="One-minute load average.")
     cpu_cores = models.PositiveIntegerField(default=0)
     accelerators = models.JSONField(default=list, blank=True)

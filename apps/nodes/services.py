@@ -52,6 +52,7 @@ def record_heartbeat(payload: dict) -> Node:
         "memory_total_bytes": int(payload.get("memory_total_bytes") or 0),
         "memory_available_bytes": int(payload.get("memory_available_bytes") or 0),
         "memory_in_use_bytes": int(payload.get("memory_in_use_bytes") or 0),
+        "disk_free_bytes": int(payload.get("disk_free_bytes") or 0),
         "cpu_cores": int(payload.get("cpu_cores") or 0),
         "load_average": float(payload.get("load_average") or 0),
         "accelerators": list(payload.get("accelerators") or []),

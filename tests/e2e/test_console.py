@@ -55,7 +55,7 @@ def shot(page, name: str) -> None:
 
 
 def test_an_operator_runs_the_fleet_from_the_browser(
-    stack, operator, browser, smollm2_path, reference_text
+    stack, operator, browser, smollm2_path, reference_text, tmp_path
 ):
     from playwright.sync_api import expect
 
@@ -86,6 +86,31 @@ def test_an_operator_runs_the_fleet_from_the_browser(
     expect(model_row.locator("td.state")).to_have_text("ready", timeout=60_000)
     expect(model_row).to_contain_text("llama")  # GGUF facts: the architecture
     shot(page, "2-pulled")
+
+    # Quantize an F16 model (SmolLM2 dequantized) to Q4_K_M: the variant appears under its
+    # source with its quality and speed measured against it.
+    from tests.ggufs import rewrite
+
+    f16 = rewrite(smollm2_path, tmp_path / "smol-f16.gguf", f16=True)[0]
+    page.fill("#pull-form input[name=name]", "smol-f16")
+    page.fill("#pull-form input[name=local_path]", str(f16))
+    page.click("#pull-form button")
+    source_row = page.locator("#models tbody tr[data-model=smol-f16]")
+    expect(source_row.locator("td.state")).to_have_text("ready", timeout=60_000)
+    source_row.locator(".quantize select").select_option("Q4_K_M")
+    source_row.locator(".quantize button").click()
+    expect(page.locator("#result")).to_contain_text("Making smol-f16-q4_k_m")
+    variant = page.locator("#models tbody tr[data-model=smol-f16-q4_k_m]")
+    expect(variant.locator("td.state")).to_have_text("ready", timeout=180_000)
+    expect(variant).to_have_attribute("data-depth", "1")
+    expect(variant).to_contain_text("made from smol-f16")
+    expect(variant.locator("td.quant")).to_have_text("Q4_K_M")
+    expect(variant.locator(".quality")).to_contain_text("NLL +")
+    expect(variant).to_contain_text("tok/s")
+    # Grouped: the variant's row comes right after its source's.
+    names = page.locator("#models tbody tr").evaluate_all("rows => rows.map(r => r.dataset.model)")
+    assert names.index("smol-f16-q4_k_m") == names.index("smol-f16") + 1
+    shot(page, "2b-quantized")
 
     # Preview the plan, then deploy it with 2 slots of 512 tokens; the table follows it to
     # ready and draws where it runs.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable
 
@@ -13,7 +14,7 @@ from llamafleet.agent.v1 import agent_pb2 as pb
 from llamafleet.agent.v1 import agent_pb2_grpc
 
 import workers
-from workers.agent import rpc_servers, system
+from workers.agent import quantize, rpc_servers, system
 from workers.agent.metrics import AgentMetrics
 from workers.agent.rpc_servers import RpcServer
 from workers.agent.store import ModelStore
@@ -151,8 +152,14 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         replica = Replica(request, engine)
         self.replicas[request.replica_id] = replica
         try:
-            path = await self.store.ensure(request.sha256, request.size_bytes, request.download_url)
-            config.model_path = str(path)
+            files = list(request.files) or [
+                pb.ModelFile(
+                    sha256=request.sha256,
+                    size_bytes=request.size_bytes,
+                    download_url=request.download_url,
+                )
+            ]
+            config.model_path = str(await self.store.ensure_model(request.sha256, files))
             await engine.start()
         except EngineError as exc:
             engine.state, engine.error = "failed", exc.message
@@ -273,6 +280,13 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
     async def Echo(self, request, context):
         return pb.EchoResponse(size=len(request.payload))
 
+    async def Quantize(self, request, context):
+        try:
+            async for message in quantize.run(self.store, request, self.threads):
+                yield message
+        except EngineError as exc:
+            await abort(context, exc)
+
     def status(self) -> pb.NodeStatus:
         total, available = system.meminfo()
         replicas = [r.status() for r in self.replicas.values()]
@@ -288,6 +302,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             in_flight=sum(r.in_flight for r in replicas),
             load_average=system.load_average(),
             rpc_servers=[_rpc_status(s) for s in self.rpc_servers.values()],
+            disk_free_bytes=shutil.disk_usage(self.store.root).free,
         )
 
     async def shutdown(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import uuid
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,25 @@ class ModelStore:
     def path_for(self, sha256: str) -> Path:
         return self.root / f"sha256-{sha256}.gguf"
 
+    async def ensure_model(self, sha256: str, files) -> Path:
+        """The path llama.cpp should open for a model of one file or of several (a split):
+        every file is fetched and verified; a split's parts are linked side by side under the
+        names llama.cpp looks for, and the first part's link is returned."""
+        paths = [await self.ensure(f.sha256, f.size_bytes, f.download_url) for f in files]
+        if len(paths) == 1:
+            return paths[0]
+        return self._link_split(self.root / f"split-{sha256[:32]}", paths)
+
+    @staticmethod
+    def _link_split(folder: Path, paths: list[Path]) -> Path:
+        folder.mkdir(exist_ok=True)
+        links = [folder / f"model-{i + 1:05d}-of-{len(paths):05d}.gguf" for i in range(len(paths))]
+        for link, target in zip(links, paths, strict=True):
+            tmp = link.with_suffix(f".tmp-{uuid.uuid4().hex[:12]}")
+            tmp.symlink_to(os.path.relpath(target, folder))
+            tmp.replace(link)  # atomic, so a concurrent load never sees a missing part
+        return links[0]
+
     async def ensure(self, sha256: str, size: int, url: str) -> Path:
         """Return the local file of a model, downloading and verifying it if missing."""
         if not sha256 or len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256):
@@ -34,7 +54,8 @@ class ModelStore:
                 "BAD_MODEL_FILE",
                 f"model {sha256[:12]} is not in {self.root} and has no download URL",
             )
-        tmp = path.with_suffix(f".part{os.getpid()}")
+        # A name of its own per download: two loads of one file at once must not share it.
+        tmp = path.with_suffix(f".part-{uuid.uuid4().hex[:12]}")
         digest = hashlib.sha256()
         headers = {"Authorization": f"Bearer {self.node_token}"}
         try:

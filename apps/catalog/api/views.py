@@ -6,14 +6,16 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.accounts.permissions import IsOperator
-from apps.catalog import services, sources
+from apps.catalog import quantization, services, sources
 from apps.catalog.api.serializers import (
     CatalogModelSerializer,
     KnownModelSerializer,
     PullJobSerializer,
     PullRequestSerializer,
+    QuantizeJobSerializer,
+    QuantizeRequestSerializer,
 )
-from apps.catalog.models import CatalogModel, PullJob
+from apps.catalog.models import CatalogModel, ModelFile, PullJob, QuantizeJob, store_path
 from apps.nodes.api.permissions import HasNodeToken
 from controlplane.errors import NotFound
 
@@ -28,7 +30,9 @@ class CatalogModelViewSet(
     Operators only."""
 
     permission_classes = [IsOperator]
-    queryset = CatalogModel.objects.prefetch_related("pulls")
+    queryset = CatalogModel.objects.select_related("parent").prefetch_related(
+        "pulls", "files", "variants", "deployments"
+    )
     serializer_class = CatalogModelSerializer
     lookup_field = "name"
     lookup_value_regex = "[^/]+"  # names may hold dots
@@ -38,8 +42,20 @@ class CatalogModelViewSet(
     def pull(self, request):
         data = PullRequestSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        job = services.start_pull(data.validated_data["name"], data.validated_data["local_path"])
+        v = data.validated_data
+        job = services.start_pull(v["name"], v["local_path"], v["source"])
         return Response(PullJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=QuantizeRequestSerializer, responses={202: QuantizeJobSerializer})
+    @action(detail=True, methods=["post"])
+    def quantize(self, request, name=None):
+        """Make a quantized variant of this model on a node of the fleet."""
+        data = QuantizeRequestSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        job = quantization.start_quantize(
+            self.get_object(), data.validated_data["target"], data.validated_data["name"]
+        )
+        return Response(QuantizeJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(responses=KnownModelSerializer(many=True))
     @action(detail=False, methods=["get"], pagination_class=None)
@@ -64,15 +80,28 @@ class PullJobViewSet(viewsets.ReadOnlyModelViewSet):
     serializer_class = PullJobSerializer
 
 
+class QuantizeJobViewSet(viewsets.ReadOnlyModelViewSet):
+    """Quantization jobs and their progress (operators)."""
+
+    permission_classes = [IsOperator]
+    queryset = QuantizeJob.objects.select_related("source", "result", "node")
+    serializer_class = QuantizeJobSerializer
+
+
 class AgentModelFileView(APIView):
-    """Agents download model files here, by sha256 (node token, not an API key)."""
+    """Agents download model files here, by the file's sha256 (a model's only file or one part
+    of a split), with the node token rather than an API key."""
 
     authentication_classes = []
     permission_classes = [HasNodeToken]
 
     @extend_schema(responses={200: OpenApiResponse(description="the GGUF file")})
     def get(self, request, sha256):
-        model = CatalogModel.objects.filter(sha256=sha256, state=CatalogModel.State.READY).first()
-        if model is None or not model.path.exists():
-            raise NotFound(f"no ready model with sha256 {sha256}")
-        return FileResponse(open(model.path, "rb"), content_type="application/octet-stream")
+        ready = (
+            ModelFile.objects.filter(sha256=sha256, model__state=CatalogModel.State.READY).exists()
+            or CatalogModel.objects.filter(sha256=sha256, state=CatalogModel.State.READY).exists()
+        )
+        path = store_path(sha256)
+        if not ready or not path.exists():
+            raise NotFound(f"no ready model file with sha256 {sha256}")
+        return FileResponse(open(path, "rb"), content_type="application/octet-stream")

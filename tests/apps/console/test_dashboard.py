@@ -30,7 +30,8 @@ async def test_staff_get_snapshots_that_follow_the_fleet(alice, async_client):
     comm, connected, _ = await connect(async_client)
     assert connected
     first = await comm.receive_json_from(timeout=10)
-    assert set(first) == {"nodes", "models", "deployments"} and first["nodes"] == []
+    assert set(first) == {"nodes", "models", "quantizations", "deployments"}
+    assert first["nodes"] == []
     await sync_to_async(Node.objects.create)(name="n1", address="10.0.0.1:1")
     second = await comm.receive_json_from(timeout=10)  # sent because something changed
     assert [n["name"] for n in second["nodes"]] == ["n1"]

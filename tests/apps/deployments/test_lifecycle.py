@@ -134,6 +134,7 @@ def test_load_failure_says_which_node_and_why(
     path.write_bytes(good[:4_000_000])
     smollm2_model.size_bytes = 4_000_000  # same size: the agent loads it instead of fetching
     smollm2_model.save()
+    smollm2_model.files.update(size_bytes=4_000_000)
     try:
         ops.post(
             "/api/v1/deployments/",

@@ -45,6 +45,65 @@
     return box;
   }
 
+  // Each model, then the variants made from it (indented), so a family reads together.
+  function familyOrder(models) {
+    const byName = Object.fromEntries(models.map((m) => [m.name, m]));
+    const out = [];
+    const visit = (m, depth) => {
+      out.push([m, depth]);
+      for (const v of m.variants || []) if (byName[v]) visit(byName[v], depth + 1);
+    };
+    models.filter((m) => !m.parent || !byName[m.parent]).forEach((m) => visit(m, 0));
+    return out;
+  }
+
+  const QUANTIZABLE = ["ALL_F32", "F16", "BF16", "Q8_0"];
+  const signed = (x, digits) => (x > 0 ? "+" : "") + x.toFixed(digits);
+
+  function modelRow(m, depth, snap) {
+    const pull = m.latest_pull;
+    const job = (snap.quantizations || []).find((q) => q.source === m.name && q.state !== "done");
+    let progress = pull && pull.state === "running"
+      ? bar(pull.bytes_done, pull.bytes_total, `${pull.phase} ${Math.round(100 * (pull.progress || 0))} %`)
+      : pull ? `${pull.state}${pull.error ? ": " + pull.error : ""}` : "";
+    if (job) {
+      progress = job.state === "failed"
+        ? el("div", { class: "hint error" }, `quantizing to ${job.target} failed: ${job.error}`)
+        : bar(job.done, job.total, `${job.phase || "waiting for a node"} ${job.total ? Math.round(100 * (job.progress || 0)) + " %" : ""}`);
+    }
+    const e = m.evaluation || {};
+    const quality = e.nll_change !== undefined
+      ? el("span", { class: "quality", title: `mean NLL ${e.mean_nll} (source ${e.parent_mean_nll}) over ${e.tokens} tokens of ${e.text}; perplexity ${e.perplexity} (source ${e.parent_perplexity})` },
+        `NLL ${signed(e.nll_change, 3)}`, el("div", { class: "hint" }, `ppl ${e.perplexity} vs ${e.parent_perplexity}`))
+      : depth ? "–" : "source";
+    const speed = e.decode_tokens_per_second
+      ? el("span", {}, `${e.decode_tokens_per_second} tok/s`, el("div", { class: "hint" }, `source ${e.parent_decode_tokens_per_second} on ${e.node}`))
+      : "–";
+    const files = m.files || [];
+    const target = el("select", { class: "target", "aria-label": `quantize ${m.name} to` },
+      ["Q4_K_M", "Q5_K_M", "Q8_0", "Q4_0"].map((t) => el("option", { value: t }, t)));
+    const quantize = m.state === "ready" && QUANTIZABLE.includes(m.quantization)
+      ? el("span", { class: "quantize" }, target, action("Quantize", () => api("POST", `/api/v1/models/${encodeURIComponent(m.name)}/quantize/`, { target: target.value })
+        .then((j) => `Making ${j.name} from ${m.name} (job ${j.id}); progress shows in the table`)))
+      : "";
+    return el("tr", { "data-model": m.name, "data-depth": String(depth), class: depth ? "variant" : "" },
+      el("td", { style: `padding-left:${0.5 + 1.5 * depth}em` }, depth ? "↳ " : "", m.name,
+        el("div", { class: "hint" }, [m.display_name || "", m.parent ? `made from ${m.parent}` : "", files.length > 1 ? `${files.length} files (split GGUF)` : "", m.revision ? `@${m.revision.slice(0, 12)}` : ""].filter(Boolean).join(" · "))),
+      el("td", { class: "state " + m.state }, m.state),
+      el("td", {}, m.architecture || "–"),
+      el("td", {}, m.parameters ? `${(m.parameters / 1e6).toFixed(0)} M` : "–"),
+      el("td", { class: "quant" }, m.quantization || "–"),
+      el("td", {}, bytes(m.size_bytes)),
+      el("td", {}, quality),
+      el("td", {}, speed),
+      el("td", { class: "used-by" }, (m.deployments || []).join(", ") || "–"),
+      el("td", {}, String(m.n_layers || "–")),
+      el("td", {}, String(m.context_length || "–")),
+      el("td", {}, progress),
+      el("td", {}, quantize, action("Delete", () => api("DELETE", `/api/v1/models/${encodeURIComponent(m.name)}/`).then(() => `${m.name} deleted`), "danger")),
+    );
+  }
+
   function render(snap) {
     fill("nodes", snap.nodes.map((n) => el("tr", { "data-node": n.name },
       el("td", {}, n.name, el("div", { class: "hint" }, n.address)),
@@ -67,24 +126,7 @@
     const chosen = select.value;
     select.replaceChildren(...snap.models.filter((m) => m.state === "ready").map((m) => el("option", { value: m.name }, m.name)));
     if (chosen) select.value = chosen;
-    fill("models", snap.models.map((m) => {
-      const pull = m.latest_pull;
-      const progress = pull && pull.state === "running"
-        ? bar(pull.bytes_done, pull.bytes_total, `${pull.phase} ${Math.round(100 * (pull.progress || 0))} %`)
-        : pull ? `${pull.state}${pull.error ? ": " + pull.error : ""}` : "";
-      return el("tr", { "data-model": m.name },
-        el("td", {}, m.name, el("div", { class: "hint" }, m.display_name || "")),
-        el("td", { class: "state " + m.state }, m.state),
-        el("td", {}, m.architecture || "–"),
-        el("td", {}, m.parameters ? `${(m.parameters / 1e6).toFixed(0)} M` : "–"),
-        el("td", {}, m.quantization || "–"),
-        el("td", {}, bytes(m.size_bytes)),
-        el("td", {}, String(m.n_layers || "–")),
-        el("td", {}, String(m.context_length || "–")),
-        el("td", {}, progress),
-        el("td", {}, action("Delete", () => api("DELETE", `/api/v1/models/${encodeURIComponent(m.name)}/`).then(() => `${m.name} deleted`), "danger")),
-      );
-    }));
+    fill("models", familyOrder(snap.models).map(([m, depth]) => modelRow(m, depth, snap)));
 
     fill("deployments", snap.deployments.map((d) => {
       const f = d.figures;
@@ -92,7 +134,7 @@
       const scale = el("input", { type: "number", min: "1", max: "64", value: String(d.replicas), class: "tiny", "aria-label": `replicas of ${d.name}` });
       return el("tr", { "data-deployment": d.name },
         el("td", {}, d.name, d.error ? el("div", { class: "hint error" }, d.error) : "", planView(d.plan)),
-        el("td", {}, d.model),
+        el("td", {}, d.model, d.quantization ? el("div", { class: "hint" }, d.plan && d.plan.kind === "split" ? `${d.quantization} on every stage` : d.quantization) : ""),
         el("td", { class: "state " + d.state }, d.state),
         el("td", {}, d.replica_set.map((r) => el("div", {}, `${r.node || "?"}: ${r.state}`)), scale,
           action("Scale", () => api("POST", `/api/v1/deployments/${encodeURIComponent(d.name)}/scale/`, { replicas: Number(scale.value) }).then(() => `${d.name}: scaling to ${scale.value}`))),
@@ -130,6 +172,11 @@
   }
 
   form("pull-form", (v) => api("POST", "/api/v1/models/pull/", v).then((job) => `Pulling ${job.model} (job ${job.id}); progress shows in the table`));
+  document.getElementById("pull-form").addEventListener("input", (e) => {
+    // A known name, a Hugging Face name or a file: the name is needed unless the source gives one.
+    const f = e.currentTarget;
+    f.elements.name.required = !f.elements.source.value;
+  });
   function deployValues(v) {
     for (const k of ["replicas", "context_length", "parallel"]) if (v[k]) v[k] = Number(v[k]);
     if (v.pin_nodes) v.pin_nodes = v.pin_nodes.split(",").map((x) => x.trim()).filter(Boolean);

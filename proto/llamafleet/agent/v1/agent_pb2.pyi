@@ -50,8 +50,18 @@ ERROR_CODE_OVERLOADED: ErrorCode
 ERROR_CODE_INVALID_ARGUMENT: ErrorCode
 ERROR_CODE_INVALID_SCHEMA: ErrorCode
 
+class ModelFile(_message.Message):
+    __slots__ = ("sha256", "size_bytes", "download_url")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_URL_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    size_bytes: int
+    download_url: str
+    def __init__(self, sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ...) -> None: ...
+
 class LoadModelRequest(_message.Message):
-    __slots__ = ("replica_id", "model_name", "sha256", "size_bytes", "download_url", "context_length", "parallel", "threads", "chat_template", "rpc_servers", "n_gpu_layers", "split_mode", "tensor_split", "batch_invariant")
+    __slots__ = ("replica_id", "model_name", "sha256", "size_bytes", "download_url", "context_length", "parallel", "threads", "chat_template", "rpc_servers", "n_gpu_layers", "split_mode", "tensor_split", "batch_invariant", "files")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +76,7 @@ class LoadModelRequest(_message.Message):
     SPLIT_MODE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_SPLIT_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     model_name: str
     sha256: str
@@ -80,7 +91,8 @@ class LoadModelRequest(_message.Message):
     split_mode: int
     tensor_split: _containers.RepeatedScalarFieldContainer[float]
     batch_invariant: bool
-    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ..., chat_template: _Optional[str] = ..., rpc_servers: _Optional[_Iterable[str]] = ..., n_gpu_layers: _Optional[int] = ..., split_mode: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
+    files: _containers.RepeatedCompositeFieldContainer[ModelFile]
+    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ..., chat_template: _Optional[str] = ..., rpc_servers: _Optional[_Iterable[str]] = ..., n_gpu_layers: _Optional[int] = ..., split_mode: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., batch_invariant: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("state", "error", "memory_bytes", "load_seconds")
@@ -397,7 +409,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., error: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., pid: _Optional[int] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_name", "version", "memory_total_bytes", "memory_available_bytes", "cpu_cores", "accelerators", "replicas", "memory_in_use_bytes", "in_flight", "load_average", "rpc_servers")
+    __slots__ = ("node_name", "version", "memory_total_bytes", "memory_available_bytes", "cpu_cores", "accelerators", "replicas", "memory_in_use_bytes", "in_flight", "load_average", "rpc_servers", "disk_free_bytes")
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -409,6 +421,7 @@ class NodeStatus(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     LOAD_AVERAGE_FIELD_NUMBER: _ClassVar[int]
     RPC_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    DISK_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_name: str
     version: str
     memory_total_bytes: int
@@ -420,4 +433,51 @@ class NodeStatus(_message.Message):
     in_flight: int
     load_average: float
     rpc_servers: _containers.RepeatedCompositeFieldContainer[RpcServerStatus]
-    def __init__(self, node_name: _Optional[str] = ..., version: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., cpu_cores: _Optional[int] = ..., accelerators: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., memory_in_use_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., load_average: _Optional[float] = ..., rpc_servers: _Optional[_Iterable[_Union[RpcServerStatus, _Mapping]]] = ...) -> None: ...
+    disk_free_bytes: int
+    def __init__(self, node_name: _Optional[str] = ..., version: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., cpu_cores: _Optional[int] = ..., accelerators: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., memory_in_use_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., load_average: _Optional[float] = ..., rpc_servers: _Optional[_Iterable[_Union[RpcServerStatus, _Mapping]]] = ..., disk_free_bytes: _Optional[int] = ...) -> None: ...
+
+class QuantizeRequest(_message.Message):
+    __slots__ = ("job_id", "source_files", "target", "eval_text", "threads")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FILES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    EVAL_TEXT_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    source_files: _containers.RepeatedCompositeFieldContainer[ModelFile]
+    target: str
+    eval_text: str
+    threads: int
+    def __init__(self, job_id: _Optional[str] = ..., source_files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ..., target: _Optional[str] = ..., eval_text: _Optional[str] = ..., threads: _Optional[int] = ...) -> None: ...
+
+class QuantizeProgress(_message.Message):
+    __slots__ = ("phase", "done", "total", "chunk", "sha256", "size_bytes", "seconds", "source", "result")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    done: int
+    total: int
+    chunk: bytes
+    sha256: str
+    size_bytes: int
+    seconds: float
+    source: Evaluation
+    result: Evaluation
+    def __init__(self, phase: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., chunk: _Optional[bytes] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., source: _Optional[_Union[Evaluation, _Mapping]] = ..., result: _Optional[_Union[Evaluation, _Mapping]] = ...) -> None: ...
+
+class Evaluation(_message.Message):
+    __slots__ = ("tokens", "mean_nll", "decode_tokens_per_second")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_NLL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    mean_nll: float
+    decode_tokens_per_second: float
+    def __init__(self, tokens: _Optional[int] = ..., mean_nll: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ...) -> None: ...

@@ -92,6 +92,11 @@ class NodeAgentStub:
                 request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.EchoRequest.SerializeToString,
                 response_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.EchoResponse.FromString,
                 _registered_method=True)
+        self.Quantize = channel.unary_stream(
+                '/llamafleet.agent.v1.NodeAgent/Quantize',
+                request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.QuantizeRequest.SerializeToString,
+                response_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.QuantizeProgress.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -181,6 +186,15 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Quantize(self, request, context):
+        """Make a quantized variant of a model with llama.cpp's quantizer, then measure it and its
+        source on the evaluation text. Progress messages first, then the result file in chunks,
+        then one message with the result's facts. The result stays in this agent's store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -238,6 +252,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.Echo,
                     request_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.EchoRequest.FromString,
                     response_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.EchoResponse.SerializeToString,
+            ),
+            'Quantize': grpc.unary_stream_rpc_method_handler(
+                    servicer.Quantize,
+                    request_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.QuantizeRequest.FromString,
+                    response_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.QuantizeProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -540,6 +559,33 @@ class NodeAgent:
             '/llamafleet.agent.v1.NodeAgent/Echo',
             llamafleet_dot_agent_dot_v1_dot_agent__pb2.EchoRequest.SerializeToString,
             llamafleet_dot_agent_dot_v1_dot_agent__pb2.EchoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Quantize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llamafleet.agent.v1.NodeAgent/Quantize',
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.QuantizeRequest.SerializeToString,
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.QuantizeProgress.FromString,
             options,
             channel_credentials,
             insecure,
