@@ -9,6 +9,8 @@ import asyncio
 import os
 import shutil
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -261,6 +263,27 @@ def smollm2_model(db, settings_store, smollm2_path):
     )
     model.files.create(index=0, sha256=sha256, size_bytes=size, name=f"{SMOLLM2}.gguf")
     return model
+
+
+@pytest.fixture
+def asgi_server(transactional_db):
+    """The ASGI application under uvicorn on a real socket, in a thread."""
+    import uvicorn
+
+    from controlplane.asgi import application
+
+    server = uvicorn.Server(
+        uvicorn.Config(application, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
 
 
 @pytest.fixture

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
 import hashlib
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -19,6 +23,7 @@ class ModelStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.node_token = node_token
+        self._locks: dict[str, asyncio.Lock] = {}
 
     def path_for(self, sha256: str) -> Path:
         return self.root / f"sha256-{sha256}.gguf"
@@ -47,36 +52,91 @@ class ModelStore:
         if not sha256 or len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256):
             raise EngineError("BAD_MODEL_FILE", f"invalid sha256 {sha256!r}")
         path = self.path_for(sha256)
-        if path.exists() and (not size or path.stat().st_size == size):
+        if self._complete(path, size):
             return path
         if not url:
             raise EngineError(
                 "BAD_MODEL_FILE",
                 f"model {sha256[:12]} is not in {self.root} and has no download URL",
             )
-        # A name of its own per download: two loads of one file at once must not share it.
-        tmp = path.with_suffix(f".part-{uuid.uuid4().hex[:12]}")
-        digest = hashlib.sha256()
+        async with self._lock(sha256):
+            if self._complete(path, size):  # another load fetched it meanwhile
+                return path
+            await self._download(sha256, size, url, path)
+        return path
+
+    @staticmethod
+    def _complete(path: Path, size: int) -> bool:
+        return path.exists() and (not size or path.stat().st_size == size)
+
+    @contextlib.asynccontextmanager
+    async def _lock(self, sha256: str):
+        """One download per file: an asyncio lock in this agent, and a file lock for other
+        agents that share the directory."""
+        async with self._locks.setdefault(sha256, asyncio.Lock()):
+            locks = self.root / ".locks"
+            locks.mkdir(exist_ok=True)
+            fd = os.open(locks / f"sha256-{sha256}", os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+
+    async def _download(self, sha256: str, size: int, url: str, path: Path) -> None:
+        """Fetch into `<file>.part`, continuing what an earlier attempt left (a Range
+        request), after checking there is room; the whole file is verified before it is
+        renamed into place, and a partial file that does not verify is dropped."""
+        part = path.with_name(path.name + ".part")
+        have = part.stat().st_size if part.exists() else 0
+        if size and have > size:
+            have = 0
+        free = shutil.disk_usage(self.root).free
+        if size and free < size - have:
+            raise EngineError(
+                "BAD_MODEL_FILE",
+                f"model {sha256[:12]} needs {size - have} more bytes, "
+                f"{free} are free in {self.root}",
+            )
+        digest = await asyncio.to_thread(_hash_prefix, part, have)
         headers = {"Authorization": f"Bearer {self.node_token}"}
+        if have:
+            headers["Range"] = f"bytes={have}-"
         try:
             async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0)) as client:
                 async with client.stream("GET", url, headers=headers) as resp:
-                    if resp.status_code != 200:
+                    if resp.status_code not in (200, 206):
                         raise EngineError(
                             "BAD_MODEL_FILE", f"download of {url} failed: HTTP {resp.status_code}"
                         )
-                    with open(tmp, "wb") as out:
+                    if resp.status_code == 200 and have:  # the server sent it all again
+                        digest, have = hashlib.sha256(), 0
+                    with open(part, "ab" if have else "wb") as out:
                         async for chunk in resp.aiter_bytes(1 << 20):
                             digest.update(chunk)
                             out.write(chunk)
         except httpx.HTTPError as exc:
-            tmp.unlink(missing_ok=True)
-            raise EngineError("BAD_MODEL_FILE", f"download of {url} failed: {exc}") from exc
+            raise EngineError(
+                "BAD_MODEL_FILE",
+                f"download of {url} failed: {exc}; the partial file is kept and the next load "
+                "continues it",
+            ) from exc
         if digest.hexdigest() != sha256:
-            tmp.unlink(missing_ok=True)
+            part.unlink(missing_ok=True)
             raise EngineError(
                 "BAD_MODEL_FILE",
                 f"downloaded file has sha256 {digest.hexdigest()}, expected {sha256}",
             )
-        tmp.rename(path)
-        return path
+        part.rename(path)
+
+
+def _hash_prefix(path: Path, length: int):
+    """The sha256 state after the first `length` bytes of a partial download."""
+    digest = hashlib.sha256()
+    if length:
+        with open(path, "rb") as f:
+            while length and (chunk := f.read(min(4 << 20, length))):
+                digest.update(chunk)
+                length -= len(chunk)
+    return digest

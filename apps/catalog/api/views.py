@@ -1,4 +1,8 @@
-from django.http import FileResponse
+import asyncio
+import re
+
+from django.core.handlers.asgi import ASGIRequest
+from django.http import StreamingHttpResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
@@ -90,18 +94,64 @@ class QuantizeJobViewSet(viewsets.ReadOnlyModelViewSet):
 
 class AgentModelFileView(APIView):
     """Agents download model files here, by the file's sha256 (a model's only file or one part
-    of a split), with the node token rather than an API key."""
+    of a split), with the node token rather than an API key.
+
+    The body is an async iterator read in 1 MiB chunks: under ASGI Django would buffer a
+    sync iterator (FileResponse included) whole, and a model can be tens of GB. A Range
+    request (`bytes=N-`) gets the rest of the file, so an agent continues a broken download.
+    """
 
     authentication_classes = []
     permission_classes = [HasNodeToken]
+    CHUNK = 1 << 20
 
     @extend_schema(responses={200: OpenApiResponse(description="the GGUF file")})
     def get(self, request, sha256):
-        ready = (
-            ModelFile.objects.filter(sha256=sha256, model__state=CatalogModel.State.READY).exists()
-            or CatalogModel.objects.filter(sha256=sha256, state=CatalogModel.State.READY).exists()
-        )
+        ready = ModelFile.objects.filter(
+            sha256=sha256, model__state=CatalogModel.State.READY
+        ).exists() or CatalogModel.objects.filter(
+            sha256=sha256, state=CatalogModel.State.READY
+        ).exists()
         path = store_path(sha256)
         if not ready or not path.exists():
             raise NotFound(f"no ready model file with sha256 {sha256}")
-        return FileResponse(open(path, "rb"), content_type="application/octet-stream")
+        size = path.stat().st_size
+        start = _range_start(request.headers.get("Range", ""), size)
+        under_asgi = isinstance(request._request, ASGIRequest)
+        chunks = _chunks if under_asgi else _sync_chunks  # each server's own kind of iterator
+        response = StreamingHttpResponse(
+            chunks(path, start, self.CHUNK),
+            status=206 if start else 200,
+            content_type="application/octet-stream",
+        )
+        response["Content-Length"] = str(size - start)
+        response["Accept-Ranges"] = "bytes"
+        response["ETag"] = f'"{sha256}"'
+        if start:
+            response["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
+        return response
+
+
+def _range_start(header: str, size: int) -> int:
+    """The first byte asked for by `bytes=N-` (0 for no header, or one we do not serve)."""
+    m = re.fullmatch(r"bytes=(\d{1,20})-", header.strip())
+    start = int(m.group(1)) if m else 0
+    return start if 0 < start < size else 0
+
+
+def _sync_chunks(path, start: int, size: int):
+    with open(path, "rb") as f:
+        f.seek(start)
+        while chunk := f.read(size):
+            yield chunk
+
+
+async def _chunks(path, start: int, size: int):
+    """The file from `start`, read in a thread a chunk at a time."""
+    f = await asyncio.to_thread(open, path, "rb")
+    try:
+        await asyncio.to_thread(f.seek, start)
+        while chunk := await asyncio.to_thread(f.read, size):
+            yield chunk
+    finally:
+        await asyncio.to_thread(f.close)

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import threading
 import time
 
 import httpx
@@ -251,27 +250,6 @@ async def test_metrics_need_a_staff_key_and_count_requests(two_replicas, alice, 
 
 
 # ---- over a real HTTP server ---------------------------------------------------------------
-
-
-@pytest.fixture
-def asgi_server(transactional_db):
-    """The ASGI application under uvicorn on a real socket, in a thread."""
-    import uvicorn
-
-    from controlplane.asgi import application
-
-    server = uvicorn.Server(
-        uvicorn.Config(application, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
 
 
 async def test_a_client_that_hangs_up_frees_its_slot_at_once(two_replicas, alice_key, asgi_server):
