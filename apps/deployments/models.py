@@ -16,6 +16,8 @@ class Deployment(models.Model):
         READY = "ready"
         DEGRADED = "degraded"  # some, not all, replicas ready
         FAILED = "failed"
+        #: Failed again and again: still restarted, at longer and longer intervals.
+        CRASH_LOOP = "crash_loop"
         STOPPING = "stopping"
         STOPPED = "stopped"
 
@@ -61,6 +63,19 @@ class Deployment(models.Model):
         blank=True,
         help_text="Only these nodes (names); the first is the head of a split.",
     )
+
+    class Restart(models.TextChoices):
+        ALWAYS = "always", "always: replace failed replicas, with exponential backoff"
+        NEVER = "never", "never: a failed replica stays failed until redeployed"
+
+    restart_policy = models.CharField(
+        max_length=10, choices=Restart.choices, default=Restart.ALWAYS
+    )
+    restarts = models.PositiveIntegerField(
+        default=0, help_text="Restarts since the deployment last ran steadily (10 minutes)."
+    )
+    next_restart_at = models.DateTimeField(null=True, blank=True)
+    last_failure_at = models.DateTimeField(null=True, blank=True)
     state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)

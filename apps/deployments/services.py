@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from datetime import timedelta
 
 import grpc
 from django.conf import settings
@@ -30,6 +31,12 @@ D = Deployment.State
 
 #: How long a LoadModel call may take (download included).
 LOAD_TIMEOUT_SECONDS = 900
+#: Restarts of failed replicas wait 10 s, then twice as long each time up to 5 minutes, as the
+#: kubelet's back-off does; after 3 the deployment shows as a crash loop, and 10 minutes
+#: without a failure start the count again.
+RESTART_FIRST_DELAY, RESTART_MAX_DELAY = 10, 300
+CRASH_LOOP_AFTER = 3
+STEADY_SECONDS = 600
 
 
 def record_event(deployment: Deployment, message: str, level: str = "info", replica=None) -> None:
@@ -91,6 +98,7 @@ def do_create(
     batching: str = Deployment.Batching.THROUGHPUT,
     split_mode: str = Deployment.SplitMode.AUTO,
     pin_nodes: list[str] | None = None,
+    restart_policy: str = Deployment.Restart.ALWAYS,
 ) -> Deployment:
     """Record a deployment and start reconciling it."""
     from apps.deployments.tasks import reconcile_deployment
@@ -115,6 +123,7 @@ def do_create(
             batching=batching,
             split_mode=split_mode,
             pin_nodes=list(pin_nodes or []),
+            restart_policy=restart_policy,
         )
         record_event(
             d,
@@ -160,18 +169,16 @@ def do_undeploy(d: Deployment) -> Deployment:
 
 def do_redeploy(d: Deployment) -> Deployment:
     """Replace failed replicas (or start a stopped deployment again)."""
-    from apps.deployments.tasks import free_on_node, reconcile_deployment
+    from apps.deployments.tasks import reconcile_deployment
 
     if not CatalogModel.objects.filter(pk=d.model_id, state=CatalogModel.State.READY).exists():
         raise Conflict(f"model {d.model.name} is not ready")
     with transaction.atomic():
-        failed = list(d.replica_set.filter(state=S.FAILED).select_related("node"))
-        Replica.objects.filter(pk__in=[r.pk for r in failed]).update(state=S.STOPPED)
-        Deployment.objects.filter(pk=d.pk).update(state=D.PENDING, error="")
-        record_event(d, f"redeploy requested ({len(failed)} failed replica(s) replaced)")
-        for r in failed:
-            # The agent may still hold the dead engine's record: clear it there too.
-            transaction.on_commit(lambda r=r: free_on_node.delay(r.node_id, str(r.pk)))
+        n = _retire_failed(d)
+        Deployment.objects.filter(pk=d.pk).update(
+            state=D.PENDING, error="", restarts=0, next_restart_at=None
+        )
+        record_event(d, f"redeploy requested ({n} failed replica(s) replaced)")
         transaction.on_commit(lambda: reconcile_deployment.delay(d.pk))
     d.refresh_from_db()
     return d
@@ -199,8 +206,10 @@ def reconcile(deployment_id: int) -> None:
                 transaction.on_commit(lambda r=r: free_replica.delay(str(r.pk)))
             refresh_state(d)
             return
-        # Failed replicas keep their place until someone redeploys: no silent restart loops.
-        # Unreachable ones keep it while their node may come back with them.
+        _heal(d)
+        # Failed replicas keep their place until their restart is due (or, with the restart
+        # policy "never", until someone redeploys). Unreachable ones keep it while their node
+        # may come back with them.
         current = d.replica_set.filter(state__in=Replica.LIVE + (S.UNREACHABLE, S.FAILED))
         missing = d.replicas - current.count()
         if missing > 0:
@@ -229,6 +238,61 @@ def reconcile(deployment_id: int) -> None:
                 transaction.on_commit(lambda r=r: free_replica.delay(str(r.pk)))
         d.refresh_from_db()
         refresh_state(d)
+
+
+def _retire_failed(d: Deployment) -> int:
+    """Failed replicas give up their place (stopped here, forgotten on their node)."""
+    from apps.deployments.tasks import free_on_node
+
+    failed = list(d.replica_set.filter(state=S.FAILED).select_related("node"))
+    Replica.objects.filter(pk__in=[r.pk for r in failed]).update(state=S.STOPPED)
+    for r in failed:
+        # The agent may still hold the dead engine's record: clear it there too.
+        transaction.on_commit(lambda r=r: free_on_node.delay(r.node_id, str(r.pk)))
+    return len(failed)
+
+
+def _heal(d: Deployment) -> None:
+    """Under the restart policy "always": replace failed replicas once their back-off is
+    over, and forget past failures after a steady stretch. Called under the row lock."""
+    if d.restart_policy != Deployment.Restart.ALWAYS:
+        return
+    now = timezone.now()
+    if d.next_restart_at and d.next_restart_at <= now:
+        n = _retire_failed(d)
+        Deployment.objects.filter(pk=d.pk).update(next_restart_at=None)
+        d.next_restart_at = None
+        if n:
+            record_event(d, f"restart {d.restarts}: replacing {n} failed replica(s)")
+    elif (
+        d.restarts
+        and d.state == D.READY
+        and d.last_failure_at
+        and d.last_failure_at < now - timedelta(seconds=STEADY_SECONDS)
+    ):
+        Deployment.objects.filter(pk=d.pk).update(restarts=0)
+        d.restarts = 0
+        record_event(d, "ran steadily for 10 minutes: restart back-off reset")
+
+
+def _back_off(d: Deployment) -> None:
+    """A replica failed: schedule its restart after the back-off (one for failures that
+    arrive together)."""
+    from apps.deployments.tasks import reconcile_deployment
+
+    now = timezone.now()
+    if d.restart_policy != Deployment.Restart.ALWAYS or d.state in (D.STOPPING, D.STOPPED):
+        return
+    if d.next_restart_at and d.next_restart_at > now:
+        return  # a restart is already due; this failure joins it
+    restarts = d.restarts + 1
+    delay = min(RESTART_FIRST_DELAY * 2 ** (restarts - 1), RESTART_MAX_DELAY)
+    Deployment.objects.filter(pk=d.pk).update(
+        restarts=restarts, next_restart_at=now + timedelta(seconds=delay), last_failure_at=now
+    )
+    d.restarts, d.next_restart_at, d.last_failure_at = restarts, now + timedelta(seconds=delay), now
+    record_event(d, f"restart {restarts} in {delay} s", level="warning")
+    transaction.on_commit(lambda: reconcile_deployment.apply_async((d.pk,), countdown=delay))
 
 
 def _placed(plan: ShardPlan, head: PlanStage) -> str:
@@ -264,10 +328,11 @@ def refresh_state(d: Deployment) -> str:
     elif counts.get(S.PENDING, 0) or counts.get(S.LOADING, 0):
         state = D.DEPLOYING
     elif counts.get(S.FAILED, 0):
-        state = D.FAILED
+        looping = d.restart_policy == Deployment.Restart.ALWAYS and d.restarts >= CRASH_LOOP_AFTER
+        state = D.CRASH_LOOP if looping else D.FAILED
     else:
         state = D.PENDING  # waiting for capacity
-    if state in (D.DEGRADED, D.FAILED):
+    if state in (D.DEGRADED, D.FAILED, D.CRASH_LOOP):
         # The deployment's error is that of its most recently failed (or lost) replica.
         last = (
             d.replica_set.filter(state__in=(S.FAILED, S.UNREACHABLE))
@@ -278,7 +343,13 @@ def refresh_state(d: Deployment) -> str:
     if state != d.state or error != d.error:
         Deployment.objects.filter(pk=d.pk).update(state=state, error=error)
         if state != d.state:
-            level = "error" if state == D.FAILED else "warning" if state == D.DEGRADED else "info"
+            level = (
+                "error"
+                if state in (D.FAILED, D.CRASH_LOOP)
+                else "warning"
+                if state == D.DEGRADED
+                else "info"
+            )
             record_event(d, f"{d.state} -> {state}" + (f": {error}" if error else ""), level=level)
         d.state, d.error = state, error
     return state
@@ -296,6 +367,7 @@ def fail_replica(replica: Replica, error: str, from_states=Replica.LIVE) -> bool
         record_event(
             d, f"replica on {replica.node.name} failed: {error}", level="error", replica=replica
         )
+        _back_off(d)
         refresh_state(d)
         if replica.plan_id and replica.plan.kind == ShardPlan.Kind.SPLIT:
             # The surviving stages hold memory for a head that is gone: free them.

@@ -47,13 +47,16 @@ def free_on_node(node_id: int, replica_id: str) -> None:
 
 @shared_task(time_limit=120, soft_time_limit=100)
 def reconcile_all() -> int:
-    """Retry placement of deployments waiting for capacity, and finish stops."""
+    """Retry placement of deployments waiting for capacity, restart failed replicas whose
+    back-off is over, and finish stops."""
     ids = list(
         Deployment.objects.filter(
             state__in=[
                 Deployment.State.PENDING,
                 Deployment.State.DEPLOYING,
                 Deployment.State.DEGRADED,
+                Deployment.State.FAILED,  # restarts that are due (policy "always")
+                Deployment.State.CRASH_LOOP,
                 Deployment.State.STOPPING,
             ]
         ).values_list("pk", flat=True)

@@ -102,6 +102,9 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "batching",
             "split_mode",
             "pin_nodes",
+            "restart_policy",
+            "restarts",
+            "next_restart_at",
             "state",
             "error",
             "plan",
@@ -150,12 +153,16 @@ class CreateDeploymentSerializer(serializers.Serializer):
         default=list,
         help_text="Only these nodes; the first is the head of a split.",
     )
+    restart_policy = serializers.ChoiceField(
+        choices=Deployment.Restart.choices, default=Deployment.Restart.ALWAYS
+    )
 
 
 class PlanRequestSerializer(CreateDeploymentSerializer):
     name = None
     routing_policy = None
     batching = None
+    restart_policy = None
 
 
 class ScaleSerializer(serializers.Serializer):

@@ -47,6 +47,7 @@ class DeploymentViewSet(
             v["batching"],
             v["split_mode"],
             v["pin_nodes"],
+            v["restart_policy"],
         )
         return Response(DeploymentSerializer(d).data, status=status.HTTP_202_ACCEPTED)
 

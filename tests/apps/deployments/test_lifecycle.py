@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from apps.deployments import services
 from apps.deployments.models import Deployment, Replica
 from apps.nodes.models import Node
 from apps.nodes.services import sweep_stale_nodes
@@ -160,3 +161,77 @@ def test_bad_deployment_requests_are_refused(ops, smollm2_model):
     smollm2_model.state = "pulling"
     smollm2_model.save()
     assert post({"model": "smollm2-135m-instruct", "name": "y"}).status_code == 409
+
+
+def test_a_crashed_engine_is_replaced_after_its_back_off(
+    ops, smollm2_model, registered_agent, celery_worker_thread, monkeypatch
+):
+    """Restart policy "always" (the default): no redeploy needed after an engine crash."""
+    monkeypatch.setattr(services, "RESTART_FIRST_DELAY", 1)
+    r, pid = deploy_one_replica(ops, registered_agent)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: registered_agent.agent.service.replicas[str(r.pk)].engine.state == "failed")
+    registered_agent.heartbeat()
+    d = Deployment.objects.get()
+    assert d.state == "failed" and d.restarts == 1 and d.next_restart_at is not None
+    wait_for(lambda: state_of("smollm2-135m-instruct") == "ready")
+    new = Replica.objects.get(state="ready")
+    r.refresh_from_db()
+    assert new.pk != r.pk and r.state == "stopped"
+    messages = list(d.events.values_list("message", flat=True))
+    assert "restart 1 in 1 s" in messages
+    assert "restart 1: replacing 1 failed replica(s)" in messages
+
+
+def test_back_off_doubles_into_a_crash_loop_and_never_means_never(db, smollm2_model):
+    node = Node.objects.create(name="n", address="127.0.0.1:9")
+    d = Deployment.objects.create(
+        name="d", model=smollm2_model, replicas=1, context_length=256, parallel=1
+    )
+
+    def fail_one(dep):
+        r = Replica.objects.create(deployment=dep, node=node, state="ready")
+        services.fail_replica(r, "engine exited")
+        dep.refresh_from_db()
+        return r
+
+    states = []
+    for restart in range(1, 5):
+        r = fail_one(d)
+        states.append(d.state)
+        assert d.restarts == restart
+        # A second failure while the restart is pending joins it.
+        fail_one(d)
+        assert d.restarts == restart
+        # The back-off is over: the next reconcile retires the failed replicas.
+        Deployment.objects.filter(pk=d.pk).update(
+            next_restart_at=timezone.now() - timedelta(seconds=1)
+        )
+        services.reconcile(d.pk)
+        r.refresh_from_db()
+        assert r.state == "stopped"
+    assert states == ["failed", "failed", "crash_loop", "crash_loop"]
+    delays = [m for m in d.events.values_list("message", flat=True) if " in " in m]
+    assert sorted(delays) == [
+        "restart 1 in 10 s",
+        "restart 2 in 20 s",
+        "restart 3 in 40 s",
+        "restart 4 in 80 s",
+    ]
+    # Ten quiet minutes of running reset the count.
+    Deployment.objects.filter(pk=d.pk).update(
+        state="ready", last_failure_at=timezone.now() - timedelta(minutes=11)
+    )
+    services.reconcile(d.pk)
+    d.refresh_from_db()
+    assert d.restarts == 0
+    # Policy "never": failed until someone redeploys.
+    never = Deployment.objects.create(
+        name="n", model=smollm2_model, replicas=1, context_length=256, parallel=1,
+        restart_policy="never",
+    )  # fmt: skip
+    r = fail_one(never)
+    services.reconcile(never.pk)
+    r.refresh_from_db()
+    never.refresh_from_db()
+    assert r.state == "failed" and never.state == "failed" and never.restarts == 0

@@ -9,6 +9,8 @@ from apps.deployments import services
 from apps.deployments.models import Deployment
 from controlplane.errors import DomainError
 
+D = Deployment.State
+
 
 class Command(BaseCommand):
     help = "Create a deployment of a catalog model and optionally wait until it is ready."
@@ -37,7 +39,7 @@ class Command(BaseCommand):
                     split_mode=mode, pin_nodes=pins,
                 )  # fmt: skip
                 self.stdout.write(f"deployment {name} created")
-            elif d.state in (Deployment.State.FAILED, Deployment.State.STOPPED):
+            elif d.state in (D.FAILED, D.CRASH_LOOP, D.STOPPED):
                 d = services.do_redeploy(d)
                 self.stdout.write(f"deployment {name} redeployed")
         except DomainError as exc:
@@ -51,8 +53,8 @@ class Command(BaseCommand):
                 last = d.state
             if d.state == Deployment.State.READY or time.monotonic() >= deadline:
                 break
-            if d.state == Deployment.State.FAILED:
-                raise CommandError(f"deployment {name} failed: {d.error}")
+            if d.state in (D.FAILED, D.CRASH_LOOP):  # restarts go on in the background
+                raise CommandError(f"deployment {name} is {d.state}: {d.error}")
             time.sleep(0.5)
         if wait and d.state != Deployment.State.READY:
             raise CommandError(f"deployment {name} is {d.state} after {wait:.0f} s: {d.error}")
