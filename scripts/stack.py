@@ -258,6 +258,8 @@ class Stack:
                 str(self.var / "models"),
                 "--metrics-listen",
                 f"127.0.0.1:{self.metrics_port}",
+                "--drain-seconds",  # within the 10 s `stop` waits before SIGKILL
+                "8",
             ],
         )
         _wait(lambda: _http_ok(self.url + "/healthz"), 60, "web")

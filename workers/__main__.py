@@ -66,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         "(LLAMAFLEET_AGENT_METRICS; default 127.0.0.1:9464)",
     )
     a.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=float(_env("LLAMAFLEET_AGENT_DRAIN_SECONDS", "30")),
+        help="on SIGTERM, how long generations in flight may run on before the engines stop; "
+        "a second signal stops at once, and what is cut moves to another replica "
+        "(LLAMAFLEET_AGENT_DRAIN_SECONDS; default 30)",
+    )
+    a.add_argument(
         "--stream-interval-ms",
         type=float,
         default=float(_env("LLAMAFLEET_STREAM_INTERVAL_MS", "20")),
@@ -146,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_listen=args.metrics_listen,
         metrics_token=_env("LLAMAFLEET_METRICS_TOKEN"),
         stream_interval_ms=args.stream_interval_ms,
+        drain_seconds=args.drain_seconds,
         rpc_host=args.rpc_host,
         allow_public_rpc=args.allow_public_rpc,
         tls=TLSFiles(*tls_paths) if all(tls_paths) else None,

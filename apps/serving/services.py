@@ -231,7 +231,7 @@ def _error_from_rpc(exc: grpc.aio.AioRpcError) -> ServingError:
 def _replica_lost(exc: grpc.aio.AioRpcError) -> bool:
     """Whether the replica (not the request) failed, so another replica may serve it."""
     code = agent_client.error_code(exc)
-    if code in ("ENGINE_FAILED", "REPLICA_NOT_FOUND"):
+    if code in ("ENGINE_FAILED", "REPLICA_NOT_FOUND", "DRAINING"):
         return True
     return not code and exc.code() == grpc.StatusCode.UNAVAILABLE
 

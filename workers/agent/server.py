@@ -42,6 +42,7 @@ class AgentSettings:
     metrics_listen: str = ""  # host:port of GET /metrics (metrics token as Bearer); "" for none
     metrics_token: str = ""  # scrape-only: it opens /metrics and nothing else
     stream_interval_ms: float = 20.0  # pieces of one stream closer than this are merged
+    drain_seconds: float = 30.0  # on SIGTERM, how long generations in flight may finish
     rpc_host: str = ""  # where rpc servers listen; "" for the host of `advertise`
     allow_public_rpc: bool = False  # let rpc servers bind a wildcard or public address
     tls: TLSFiles | None = None  # mutual TLS under the cluster CA; plaintext only on loopback
@@ -190,6 +191,21 @@ class Agent:
         log.info("agent %s serving on port %d", self.settings.name, self.port)
         return self.port
 
+    async def drain(self, grace: float) -> None:
+        """Take no new generations (callers retry on another replica) and let those in
+        flight finish, for up to `grace` seconds. What still runs after that is cut when the
+        engines stop, and the web process moves it to another replica."""
+        self.service.draining = True
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        if self.service.in_flight():
+            log.info("draining: %d generation(s) in flight", self.service.in_flight())
+        # The engines own the count and signal nothing on change: a short poll is simplest.
+        while self.service.in_flight() and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+
     async def stop(self) -> None:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -197,12 +213,14 @@ class Agent:
             task.cancel()
         if self.metrics_server is not None:
             self.metrics_server.close()
-        await self.server.stop(grace=2)
+        # Engines first, while the server still answers: a generation they cut ends with
+        # ENGINE_FAILED, which the web process answers by moving it to another replica.
         await self.service.shutdown()
+        await self.server.stop(grace=2)
 
 
 async def serve(settings: AgentSettings) -> None:
-    """Run an agent until SIGTERM or SIGINT."""
+    """Run an agent until SIGTERM or SIGINT: then drain (a second signal cuts it short)."""
     agent = Agent(settings)
     await agent.start()
     stop = asyncio.Event()
@@ -210,5 +228,9 @@ async def serve(settings: AgentSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("stopping agent %s", settings.name)
+    stop.clear()
+    log.info("stopping agent %s: draining for up to %.0f s", settings.name, settings.drain_seconds)
+    drain = asyncio.ensure_future(agent.drain(settings.drain_seconds))
+    await asyncio.wait([drain, asyncio.ensure_future(stop.wait())], return_when="FIRST_COMPLETED")
+    drain.cancel()
     await agent.stop()

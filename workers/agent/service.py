@@ -45,6 +45,7 @@ _STATUS = {
     "ENGINE_FAILED": grpc.StatusCode.UNAVAILABLE,
     "BAD_MODEL_FILE": grpc.StatusCode.FAILED_PRECONDITION,
     "OVERLOADED": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "DRAINING": grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -103,6 +104,8 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         self.tls_files = tls_files  # for calls to other agents (link measurement)
         self.rpc_servers: dict[int, RpcServer] = {}
         self.replicas: dict[str, Replica] = {}
+        #: Set on SIGTERM: no new generations; those in flight finish (see Agent.drain).
+        self.draining = False
         self._on_change = on_change or (lambda: None)
         self.metrics = AgentMetrics(self)
 
@@ -178,6 +181,8 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         return pb.FreeMemoryResponse(freed=True)
 
     async def RunInference(self, request, context):
+        if self.draining:  # shutting down: the caller sends it to another replica
+            await abort(context, EngineError("DRAINING", f"{self.node_name} is shutting down"))
         try:
             replica = self._replica(request.replica_id)
             payload = inference_payload(request)
@@ -304,6 +309,9 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             rpc_servers=[_rpc_status(s) for s in self.rpc_servers.values()],
             disk_free_bytes=shutil.disk_usage(self.store.root).free,
         )
+
+    def in_flight(self) -> int:
+        return sum(r.engine.in_flight for r in self.replicas.values())
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(r.engine.stop() for r in self.replicas.values()))

@@ -181,7 +181,11 @@ class Outbox:
 
 def child_main(conn, config: EngineConfig) -> None:
     """Entry point of the engine process: load, then serve the pipe until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when we stop
+    # The agent decides when we stop: a signal to the whole process group (Ctrl-C, `make
+    # stop`, systemd) must not end streams the agent is draining. A dead agent closes the
+    # pipe, and that ends us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _quiet_llama_logs()
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 

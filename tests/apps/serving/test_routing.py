@@ -205,6 +205,80 @@ async def test_a_draining_node_finishes_its_streams_and_gets_no_new_ones(
     await sync_to_async(set_draining)(node, False)
 
 
+async def test_an_agent_stopping_lets_its_streams_finish_and_moves_the_rest(two_replicas):
+    """SIGTERM on an agent (Agent.drain, then stop): what finishes within the grace period
+    finishes there; new requests go to the other replica; what runs past it moves there."""
+    from apps.serving.services import GenerationParams, generate
+
+    _, agents = two_replicas
+
+    async def run(max_tokens: int, on_piece=None):
+        params = GenerationParams(model=SMOLLM2, messages=STORY, max_tokens=max_tokens)
+        events = generate(params)
+        gen = await anext(events)
+        pieces, finished = 0, None
+        async for ev in events:
+            if hasattr(ev, "text"):
+                pieces += 1
+                if on_piece:
+                    on_piece(gen, pieces)
+            else:
+                finished = ev
+        return gen, finished
+
+    def drain_after(n: int, grace: float, started: dict):
+        def on_piece(gen, pieces):
+            if pieces == n and not started:
+                agent = agents[gen.target.replica_id]
+                started["agent"] = agent
+                started["done"] = asyncio.run_coroutine_threadsafe(
+                    _drain_and_stop(agent.agent, grace), agent.loop
+                )
+
+        return on_piece
+
+    # A short answer outlives nothing: it finishes where it started, and meanwhile new
+    # requests are refused there and served by the other replica.
+    started: dict = {}
+    gen, finished = await run(48, drain_after(3, 30.0, started))
+    assert finished.migrations == 0 and finished.completion_tokens == 48
+    other = next(a for a in agents.values() if a is not started["agent"])
+    for _ in range(3):
+        g, f = await run(2)
+        assert g.target.replica_id == other.replica_id and f.completion_tokens == 2
+    await asyncio.wrap_future(started["done"])
+    stopped = started["agent"].agent.service.replicas.values()
+    assert all(r.engine.state == "stopped" for r in stopped)  # engines stopped after the drain
+
+
+async def _drain_and_stop(agent, grace: float) -> None:
+    await agent.drain(grace)
+    await agent.stop()
+
+
+async def test_a_stream_longer_than_the_grace_period_moves_on(two_replicas):
+    from apps.serving.services import GenerationParams, generate
+
+    _, agents = two_replicas
+    params = GenerationParams(model=SMOLLM2, messages=STORY, max_tokens=300, temperature=0)
+    events = generate(params)
+    gen = await anext(events)
+    first = agents[gen.target.replica_id]
+    pieces, finished, stopping = 0, None, None
+    async for ev in events:
+        if hasattr(ev, "text"):
+            pieces += 1
+            if pieces == 5:
+                stopping = asyncio.run_coroutine_threadsafe(
+                    _drain_and_stop(first.agent, 0.5), first.loop
+                )
+        else:
+            finished = ev
+    await asyncio.wrap_future(stopping)
+    assert finished.migrations == 1 and finished.completion_tokens == 300
+    assert gen.target.replica_id != first.replica_id
+
+
 async def test_beyond_the_in_flight_limit_requests_get_a_fast_429(
     two_replicas, alice_key, settings
 ):
