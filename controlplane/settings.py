@@ -200,6 +200,8 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "control"
 CELERY_TASK_ROUTES = {
+    # The lease sweeper must not wait behind an hour-long pull.
+    "apps.catalog.tasks.expire_job_leases": {"queue": "control"},
     "apps.catalog.tasks.*": {"queue": "jobs"},
     "apps.deployments.tasks.*": {"queue": "control"},
     "apps.nodes.tasks.*": {"queue": "control"},

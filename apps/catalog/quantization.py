@@ -13,6 +13,7 @@ import hashlib
 import logging
 import math
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import grpc
@@ -154,7 +155,10 @@ def run_quantize(job_id: int, on_progress=None) -> QuantizeJob:
     """Execute a job: pick a node, quantize there, keep the verified result in the catalog.
     Every way out leaves the job done or failed, never running."""
     claimed = QuantizeJob.objects.filter(pk=job_id, state=QuantizeJob.State.PENDING).update(
-        state=QuantizeJob.State.RUNNING, started_at=timezone.now(), phase="choosing a node"
+        state=QuantizeJob.State.RUNNING,
+        started_at=timezone.now(),
+        phase="choosing a node",
+        lease_expires_at=timezone.now() + timedelta(seconds=settings.QUANTIZE_TIMEOUT + 300),
     )
     job = QuantizeJob.objects.select_related("source").get(pk=job_id)
     if not claimed:

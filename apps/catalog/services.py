@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
@@ -17,7 +18,14 @@ from django.utils import timezone
 
 from apps.catalog import hub, sources
 from apps.catalog.gguf_meta import BadGGUF, read_metadata, split_siblings
-from apps.catalog.models import CatalogModel, ModelFile, PullJob, model_digest, store_path
+from apps.catalog.models import (
+    CatalogModel,
+    ModelFile,
+    PullJob,
+    QuantizeJob,
+    model_digest,
+    store_path,
+)
 from controlplane.errors import Conflict, DomainError, NotFound
 
 log = logging.getLogger(__name__)
@@ -92,6 +100,44 @@ def create_pull(name: str, local_path: str = "", source: str = "") -> PullJob:
         return PullJob.objects.create(model=model, local_path=local_path)
 
 
+#: A pull's task may run an hour (its time limit); past this, its worker is taken as gone.
+PULL_LEASE_SECONDS = 3600 + 120
+RESEND_AFTER_SECONDS = 120
+
+
+def expire_leases() -> dict:
+    """Running pulls and quantizations whose worker died end failed, with the reason;
+    pending ones never picked up (the broker was down when they were sent) are sent again."""
+    from apps.catalog.tasks import run_pull, run_quantize
+
+    now = timezone.now()
+    why = "the job stopped without finishing (its worker was lost); start it again"
+    lost_pulls = list(PullJob.objects.filter(state=PullJob.State.RUNNING, lease_expires_at__lt=now))
+    for job in lost_pulls:
+        if PullJob.objects.filter(pk=job.pk, state=PullJob.State.RUNNING).update(
+            state=PullJob.State.FAILED, error=why, finished_at=now
+        ):
+            CatalogModel.objects.filter(pk=job.model_id, state=CatalogModel.State.PULLING).update(
+                state=CatalogModel.State.FAILED, error=why
+            )
+    lost_quantizations = QuantizeJob.objects.filter(
+        state=QuantizeJob.State.RUNNING, lease_expires_at__lt=now
+    ).update(state=QuantizeJob.State.FAILED, error=why, finished_at=now)
+    old = now - timedelta(seconds=RESEND_AFTER_SECONDS)
+    resent = 0
+    for pk in PullJob.objects.filter(state=PullJob.State.PENDING, created_at__lt=old).values_list(
+        "pk", flat=True
+    ):
+        run_pull.delay(pk)
+        resent += 1
+    for pk in QuantizeJob.objects.filter(
+        state=QuantizeJob.State.PENDING, created_at__lt=old
+    ).values_list("pk", flat=True):
+        run_quantize.delay(pk)
+        resent += 1
+    return {"lost": len(lost_pulls) + lost_quantizations, "resent": resent}
+
+
 class _ProgressWriter:
     """Writes progress to the job row at most a few times a second."""
 
@@ -149,7 +195,10 @@ def run_pull(job_id: int, on_progress=None) -> PullJob:
     on_progress(phase, bytes_done, bytes_total) is called as the job row is updated.
     """
     claimed = PullJob.objects.filter(pk=job_id, state=PullJob.State.PENDING).update(
-        state=PullJob.State.RUNNING, started_at=timezone.now(), phase="starting"
+        state=PullJob.State.RUNNING,
+        started_at=timezone.now(),
+        phase="starting",
+        lease_expires_at=timezone.now() + timedelta(seconds=PULL_LEASE_SECONDS),
     )
     job = PullJob.objects.select_related("model").get(pk=job_id)
     if not claimed:

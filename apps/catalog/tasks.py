@@ -3,6 +3,7 @@
 from celery import shared_task
 
 from apps.catalog import services
+from controlplane.celery import every
 
 
 @shared_task(time_limit=3600, soft_time_limit=3500)
@@ -17,3 +18,12 @@ def run_quantize(job_id: int) -> str:
     from apps.catalog import quantization
 
     return quantization.run_quantize(job_id).state
+
+
+@shared_task(time_limit=60, soft_time_limit=50)
+def expire_job_leases() -> dict:
+    """Fail jobs whose worker died holding them; send again those never picked up."""
+    return services.expire_leases()
+
+
+every(60.0, expire_job_leases.name, "catalog: expire job leases")

@@ -179,6 +179,9 @@ class Replica(models.Model):
     error = models.TextField(blank=True)
     memory_bytes = models.BigIntegerField(default=0)
     load_seconds = models.FloatField(null=True, blank=True)
+    #: Set when a worker claims the load: past it, the load is taken as lost (the worker died
+    #: with the claim) and the replica fails with that reason, to be replaced.
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

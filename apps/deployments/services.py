@@ -240,6 +240,36 @@ def reconcile(deployment_id: int) -> None:
         refresh_state(d)
 
 
+#: A pending replica whose load task never ran (the broker was down when it was sent) is sent
+#: again after this long.
+RESEND_AFTER_SECONDS = 120
+
+
+def expire_leases() -> dict:
+    """Loads whose worker died holding the claim fail with that reason (and are replaced
+    under the restart policy); loads never picked up are sent again."""
+    from apps.deployments.tasks import free_on_node, load_replica
+
+    now = timezone.now()
+    lost = list(
+        Replica.objects.filter(state=S.LOADING, lease_expires_at__lt=now).select_related(
+            "node", "plan"
+        )
+    )
+    for r in lost:
+        why = "the load did not finish within its lease (the worker running it stopped?)"
+        if fail_replica(r, why, from_states=(S.LOADING,)):
+            transaction.on_commit(lambda r=r: free_on_node.delay(r.node_id, str(r.pk)))
+    stale = list(
+        Replica.objects.filter(
+            state=S.PENDING, created_at__lt=now - timedelta(seconds=RESEND_AFTER_SECONDS)
+        ).values_list("pk", flat=True)
+    )
+    for pk in stale:
+        load_replica.delay(str(pk))  # the claim makes a second delivery harmless
+    return {"lost": len(lost), "resent": len(stale)}
+
+
 def _retire_failed(d: Deployment) -> int:
     """Failed replicas give up their place (stopped here, forgotten on their node)."""
     from apps.deployments.tasks import free_on_node
@@ -386,7 +416,10 @@ def load(replica_id: str) -> None:
 
     from apps.deployments.tasks import free_replica
 
-    claimed = Replica.objects.filter(pk=replica_id, state=S.PENDING).update(state=S.LOADING)
+    claimed = Replica.objects.filter(pk=replica_id, state=S.PENDING).update(
+        state=S.LOADING,
+        lease_expires_at=timezone.now() + timedelta(seconds=LOAD_TIMEOUT_SECONDS + 120),
+    )
     if not claimed:
         return  # another worker got there first, or it was stopped meanwhile
     r = Replica.objects.select_related("deployment__model", "node", "plan").get(pk=replica_id)

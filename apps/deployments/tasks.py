@@ -67,3 +67,12 @@ def reconcile_all() -> int:
 
 
 every(15.0, reconcile_all.name, "deployments: reconcile all")
+
+
+@shared_task(time_limit=60, soft_time_limit=50)
+def expire_load_leases() -> dict:
+    """Fail loads whose worker died holding the claim; send again loads never picked up."""
+    return services.expire_leases()
+
+
+every(60.0, expire_load_leases.name, "deployments: expire load leases")

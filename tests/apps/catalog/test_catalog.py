@@ -123,3 +123,33 @@ def test_gemma_fallback_template_renders_gemmas_turns():
         "<start_of_turn>user\nCapital of France?<end_of_turn>\n"
         "<start_of_turn>model\n"
     )
+
+
+def test_jobs_whose_worker_died_end_failed_and_jobs_never_sent_are_resent(
+    db, smollm2_model, monkeypatch
+):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from apps.catalog import tasks
+    from apps.catalog.models import QuantizeJob
+
+    sent = []
+    monkeypatch.setattr(tasks.run_pull, "delay", lambda pk: sent.append(("pull", pk)))
+    monkeypatch.setattr(tasks.run_quantize, "delay", lambda pk: sent.append(("quantize", pk)))
+    past = timezone.now() - timedelta(seconds=1)
+    pulling = CatalogModel.objects.create(name="p", source="x", state="pulling")
+    lost = PullJob.objects.create(model=pulling, state="running", lease_expires_at=past)
+    quant = QuantizeJob.objects.create(
+        source=smollm2_model, target="Q4_K_M", name="q", state="running", lease_expires_at=past
+    )
+    waiting = PullJob.objects.create(model=smollm2_model)
+    PullJob.objects.filter(pk=waiting.pk).update(created_at=timezone.now() - timedelta(minutes=5))
+    assert services.expire_leases() == {"lost": 2, "resent": 1}
+    lost.refresh_from_db()
+    quant.refresh_from_db()
+    pulling.refresh_from_db()
+    assert lost.state == quant.state == pulling.state == "failed"
+    assert "worker was lost" in lost.error and "worker was lost" in pulling.error
+    assert sent == [("pull", waiting.pk)]

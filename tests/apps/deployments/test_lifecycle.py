@@ -235,3 +235,33 @@ def test_back_off_doubles_into_a_crash_loop_and_never_means_never(db, smollm2_mo
     r.refresh_from_db()
     never.refresh_from_db()
     assert r.state == "failed" and never.state == "failed" and never.restarts == 0
+
+
+def test_a_load_whose_worker_died_fails_with_the_reason_and_one_never_sent_is_resent(
+    db, smollm2_model, monkeypatch
+):
+    from apps.deployments import tasks
+
+    sent = []
+    monkeypatch.setattr(tasks.load_replica, "delay", lambda pk: sent.append(pk))
+    node = Node.objects.create(name="n", address="127.0.0.1:9")
+    d = Deployment.objects.create(
+        name="d", model=smollm2_model, replicas=2, context_length=256, parallel=1
+    )
+    held = Replica.objects.create(
+        deployment=d, node=node, state="loading",
+        lease_expires_at=timezone.now() - timedelta(seconds=1),
+    )  # fmt: skip
+    fresh = Replica.objects.create(
+        deployment=d, node=node, state="loading",
+        lease_expires_at=timezone.now() + timedelta(minutes=10),
+    )  # fmt: skip
+    waiting = Replica.objects.create(deployment=d, node=node, state="pending")
+    Replica.objects.filter(pk=waiting.pk).update(created_at=timezone.now() - timedelta(minutes=5))
+    assert services.expire_leases() == {"lost": 1, "resent": 1}
+    held.refresh_from_db()
+    fresh.refresh_from_db()
+    assert held.state == "failed" and "did not finish within its lease" in held.error
+    assert fresh.state == "loading" and sent == [str(waiting.pk)]
+    d.refresh_from_db()
+    assert d.restarts == 1  # the restart policy takes it from there
