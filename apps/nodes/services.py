@@ -28,44 +28,51 @@ _STATE_NAMES = {
 
 
 def record_heartbeat(payload: dict) -> Node:
-    """Register or refresh a node from an agent's status report (registration is the first one)."""
-    name = str(payload.get("node_name") or "").strip()
-    address = str(payload.get("address") or "").strip()
+    """Register or refresh a node from an agent's status report (registration is the first
+    one). The payload is a NodeStatus in protobuf's JSON form, plus the agent's `address`.
+
+    Only the node's row is written under its lock; what the report means for replicas (fail,
+    re-adopt, free) runs after the commit, so a slow reaction never holds the lock.
+    """
+    from google.protobuf.json_format import ParseDict, ParseError
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    address = str(payload.get("address") or "").strip() if isinstance(payload, dict) else ""
+    try:
+        status = ParseDict(payload, pb.NodeStatus(), ignore_unknown_fields=True)
+    except (ParseError, TypeError, ValueError, AttributeError) as exc:
+        raise DomainError(f"not a NodeStatus report: {exc}") from None
+    name = status.node_name.strip()
     if not name or not address:
         raise DomainError("node_name and address are required")
     replicas = [
         {
-            "replica_id": r.get("replica_id", ""),
-            "model_name": r.get("model_name", ""),
-            "state": _STATE_NAMES.get(r.get("state"), "unknown"),
-            "error": r.get("error", ""),
-            "memory_bytes": int(r.get("memory_bytes") or 0),
-            "in_flight": int(r.get("in_flight") or 0),
-            "pid": int(r.get("pid") or 0),
+            "replica_id": r.replica_id,
+            "model_name": r.model_name,
+            "state": _STATE_NAMES.get(pb.ReplicaState.Name(r.state), "unknown"),
+            "error": r.error,
+            "memory_bytes": r.memory_bytes,
+            "in_flight": r.in_flight,
+            "pid": r.pid,
         }
-        for r in payload.get("replicas") or []
+        for r in status.replicas
     ]
     fields = {
         "address": address,
         "state": Node.State.READY,
-        "version": str(payload.get("version", ""))[:40],
-        "memory_total_bytes": int(payload.get("memory_total_bytes") or 0),
-        "memory_available_bytes": int(payload.get("memory_available_bytes") or 0),
-        "memory_in_use_bytes": int(payload.get("memory_in_use_bytes") or 0),
-        "disk_free_bytes": int(payload.get("disk_free_bytes") or 0),
-        "cpu_cores": int(payload.get("cpu_cores") or 0),
-        "load_average": float(payload.get("load_average") or 0),
-        "accelerators": list(payload.get("accelerators") or []),
+        "version": status.version[:40],
+        "memory_total_bytes": status.memory_total_bytes,
+        "memory_available_bytes": status.memory_available_bytes,
+        "memory_in_use_bytes": status.memory_in_use_bytes,
+        "disk_free_bytes": status.disk_free_bytes,
+        "cpu_cores": status.cpu_cores,
+        "load_average": status.load_average,
+        "accelerators": list(status.accelerators),
         "rpc_servers": [
-            {
-                "endpoint": str(s.get("endpoint", "")),
-                "running": bool(s.get("running")),
-                "pid": int(s.get("pid") or 0),
-                "error": str(s.get("error", "")),
-            }
-            for s in payload.get("rpc_servers") or []
+            {"endpoint": s.endpoint, "running": s.running, "pid": s.pid, "error": s.error}
+            for s in status.rpc_servers
         ],
-        "in_flight": int(payload.get("in_flight") or 0),
+        "in_flight": status.in_flight,
         "reported_replicas": replicas,
         "last_heartbeat_at": timezone.now(),
     }
@@ -79,8 +86,11 @@ def record_heartbeat(payload: dict) -> Node:
         node, created = Node.objects.update_or_create(name=name, defaults=fields)
         if created:
             log.info("node %s registered at %s", name, address)
-        node_reported.send(
-            sender=Node, node=node, reported=replicas, previous_heartbeat_at=previous
+        transaction.on_commit(
+            lambda: node_reported.send(
+                sender=Node, node=node, reported=replicas, previous_heartbeat_at=previous
+            ),
+            robust=True,  # a failed reaction is logged; the heartbeat itself is recorded
         )
     return node
 
@@ -114,7 +124,12 @@ def sweep_stale_nodes() -> list[str]:
             ).update(state=Node.State.UNREACHABLE)
             if claimed:
                 log.warning("node %s stopped sending heartbeats and does not answer", node.name)
-                node_lost.send(sender=Node, node=node, since=node.last_heartbeat_at)
+                transaction.on_commit(
+                    lambda node=node: node_lost.send(
+                        sender=Node, node=node, since=node.last_heartbeat_at
+                    ),
+                    robust=True,
+                )
                 lost.append(node.name)
     return lost
 
