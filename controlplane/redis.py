@@ -93,3 +93,8 @@ def client() -> aioredis.Redis:
             settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0
         )
     return found
+
+
+def key(*parts) -> str:
+    """A Redis key of this stack: its namespace, then the parts (see REDIS_NAMESPACE)."""
+    return ":".join([settings.REDIS_NAMESPACE, *map(str, parts)])

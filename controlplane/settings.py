@@ -5,6 +5,7 @@ Embedded defaults run the whole stack on one machine: SQLite under var/ and Redi
 the variable's name.
 """
 
+import hashlib
 from pathlib import Path
 
 import environ
@@ -88,6 +89,13 @@ if DATABASES["default"]["ENGINE"].endswith("postgresql") and env.bool(
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+#: Every Redis key of this stack (Celery's queues, the channel layer, routing counters, quotas)
+#: starts with this, so two stacks sharing one Redis database never consume each other's
+#: tasks. By default one per var directory; give every process of one stack the same value.
+REDIS_NAMESPACE = env.str(
+    "LLAMAFLEET_NAMESPACE",
+    default="llamafleet-" + hashlib.sha256(str(VAR_DIR.resolve()).encode()).hexdigest()[:8],
+)
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -188,13 +196,17 @@ CHANNEL_LAYERS = {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
         # channels-redis blocks 5 s per read (BZPOPMIN) and redis-py's default socket timeout
         # is also 5 s: a longer one keeps idle sockets from failing with a TimeoutError.
-        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}]},
+        "CONFIG": {
+            "hosts": [{"address": REDIS_URL, "socket_timeout": 30}],
+            "prefix": f"{REDIS_NAMESPACE}:asgi",
+        },
     }
 }
 
 # Celery: one queue per task family, explicit time limits (checked by a test).
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)
 CELERY_RESULT_BACKEND = None
+CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": f"{REDIS_NAMESPACE}:"}
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

@@ -56,3 +56,32 @@ def test_bad_database_url_fails_clearly():
         [sys.executable, "manage.py", "check"], env=env, capture_output=True, text=True
     )
     assert proc.returncode != 0 and "nosuchdb" in proc.stderr
+
+
+def test_two_stacks_sharing_a_redis_database_keep_their_tasks_apart(settings):
+    """Celery's keys, the channel layer's and ours all carry the stack's namespace: a task
+    sent by a stack with another namespace lands in its own queue, never in ours."""
+    import redis
+
+    from controlplane.redis import key
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    env = os.environ | {"LLAMAFLEET_NAMESPACE": "other-stack"}
+    code = (
+        "import django; django.setup(); from apps.catalog.tasks import run_pull; "
+        "run_pull.delay(424242)"
+    )
+    try:
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+        theirs = client.lrange("other-stack:jobs", 0, -1)
+        assert len(theirs) == 1 and b"424242" in theirs[0]
+        ours = client.lrange(f"{settings.REDIS_NAMESPACE}:jobs", 0, -1)
+        assert not any(b"424242" in m for m in ours)
+        assert settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"].startswith(
+            settings.REDIS_NAMESPACE
+        )
+        assert key("rpm", "app", 7) == f"{settings.REDIS_NAMESPACE}:rpm:app:7"
+    finally:
+        for k in client.scan_iter("other-stack:*"):
+            client.delete(k)
+        client.close()

@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 
 from apps.serving import metrics
 from controlplane.redis import client as _redis
+from controlplane.redis import key as redis_key
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ _background: set[asyncio.Task] = set()
 
 
 def _key(replica_id: str) -> str:
-    return f"llamafleet:inflight:{replica_id}"
+    return redis_key("inflight", replica_id)
 
 
 def prefix_hashes(messages: list[dict], prompt: str) -> list[str]:
@@ -75,7 +76,7 @@ def prefix_hashes(messages: list[dict], prompt: str) -> list[str]:
 
 
 def _prefix_key(deployment: str, digest: str) -> str:
-    return f"llamafleet:prefix:{deployment}:{digest}"
+    return redis_key("prefix", deployment, digest)
 
 
 def _rendezvous(targets: list, digest: str):
@@ -90,7 +91,7 @@ async def order(targets: list, policy: str, model: str, hashes: list[str] = ()) 
     deployment = targets[0].deployment
     try:
         pipe = _redis().pipeline(transaction=False)
-        pipe.incr(f"llamafleet:rr:{model}")
+        pipe.incr(redis_key("rr", model))
         if policy in (LEAST_CONNECTIONS, PREFIX):
             floor = time.time() - settings.REQUEST_TIMEOUT_SECONDS
             for t in targets:

@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 from apps.deployments.models import Replica
 from apps.usage.models import NodeUsage, Report, UsageRecord
 from controlplane.redis import client as _redis
+from controlplane.redis import key as redis_key
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +258,7 @@ async def _check(caller: Caller, request_id: str, reserve: int) -> int:
         for name, limit in (("day", caller.tokens_per_day), ("month", caller.tokens_per_month))
         if limit is not None
     ]
-    keys = [f"llamafleet:tokens:app:{caller.user_id}:{label}" for _, _, label, _, _ in periods]
+    keys = [redis_key("tokens", "app", caller.user_id, label) for _, _, label, _, _ in periods]
     for key, (_, _, _, start, end) in zip(keys, periods, strict=True):
         if await r.get(key) is None:  # Redis lost it (or a new period): rebuild from records
             used = await sync_to_async(_tokens_between)(caller.user_id, start, end)
@@ -283,7 +284,7 @@ async def _check(caller: Caller, request_id: str, reserve: int) -> int:
         admitted, oldest = await r.eval(
             _RPM_SCRIPT,
             1,
-            f"llamafleet:rpm:app:{caller.user_id}",
+            redis_key("rpm", "app", caller.user_id),
             now,
             caller.requests_per_minute,
             request_id,
@@ -351,7 +352,7 @@ async def _add_tokens(caller: Caller, delta: int) -> None:
             "if redis.call('exists', KEYS[1]) == 1 then "
             "return redis.call('incrby', KEYS[1], ARGV[1]) end return nil",
             1,
-            f"llamafleet:tokens:app:{caller.user_id}:{label}",
+            redis_key("tokens", "app", caller.user_id, label),
             delta,
         )
     await pipe.execute()

@@ -7,6 +7,7 @@ import json
 import pytest
 from channels.testing import WebsocketCommunicator
 
+from controlplane.redis import key as redis_key
 from tests.apps.serving_client import post, read_killing_replica
 from tests.conftest import CHAT, SMOLLM2
 
@@ -138,6 +139,6 @@ async def test_tokens_per_day_quota_survives_redis_losing_its_count(two_replicas
     assert over.json()["error"]["code"] == "insufficient_quota"
     # Redis restarts empty: the count is rebuilt from the usage records, still over.
     client = services._redis()
-    await client.delete(*[k async for k in client.scan_iter("llamafleet:tokens:*")])
+    await client.delete(*[k async for k in client.scan_iter(redis_key("tokens", "*"))])
     again = await post(key, body)
     assert again.status_code == 429 and again.json()["error"]["type"] == "insufficient_quota"
