@@ -203,6 +203,10 @@ class Stack:
                 "--port",
                 str(self.port),
                 "--no-access-log",
+                # SIGTERM: open streams finish for up to 8 s (within the 10 s `stop` waits),
+                # then pending usage records are written (controlplane.asgi.lifespan).
+                "--timeout-graceful-shutdown",
+                "8",
                 "--log-level",
                 "warning",  # uvicorn logs websocket URLs at info, query-string keys included
             ],

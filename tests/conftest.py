@@ -265,15 +265,31 @@ def smollm2_model(db, settings_store, smollm2_path):
     return model
 
 
+class AsgiServer(str):
+    """The server's base URL (a str), with stop(): what SIGTERM does to uvicorn."""
+
+    def stop(self, timeout: float = 20) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
 @pytest.fixture
 def asgi_server(transactional_db):
-    """The ASGI application under uvicorn on a real socket, in a thread."""
+    """The ASGI application under uvicorn on a real socket, in a thread (lifespan on, as in
+    production)."""
     import uvicorn
 
     from controlplane.asgi import application
 
     server = uvicorn.Server(
-        uvicorn.Config(application, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        uvicorn.Config(
+            application,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=15,
+        )
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -281,9 +297,10 @@ def asgi_server(transactional_db):
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    url = AsgiServer(f"http://127.0.0.1:{port}")
+    url.server, url.thread = server, thread
+    yield url
+    url.stop(10)
 
 
 @pytest.fixture

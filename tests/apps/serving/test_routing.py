@@ -355,6 +355,36 @@ async def test_a_client_that_hangs_up_frees_its_slot_at_once(two_replicas, alice
     assert (await balancer.in_flight([replica]))[replica] == 0
 
 
+async def test_a_stopping_web_process_finishes_its_streams_and_writes_their_usage(
+    two_replicas, alice_key, asgi_server
+):
+    """SIGTERM on the web process (uvicorn's should_exit): it takes no new connections, the
+    stream in flight runs to its end, and its usage record is written before it exits."""
+    from apps.usage.models import UsageRecord
+
+    body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 200, "stream": True}
+    body["temperature"] = 0  # greedy: the story runs to max_tokens
+    lines, stopping = [], None
+    async with httpx.AsyncClient(timeout=60) as client:
+        async with client.stream(
+            "POST",
+            asgi_server + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {alice_key}"},
+        ) as resp:
+            async for line in resp.aiter_lines():
+                lines.append(line)
+                if len(lines) == 4:
+                    stopping = asyncio.get_running_loop().run_in_executor(None, asgi_server.stop)
+                    await asyncio.sleep(0.5)  # the server is shutting down from here on
+                    with pytest.raises(httpx.ConnectError):
+                        await httpx.AsyncClient().get(asgi_server + "/healthz")
+    await stopping
+    assert "data: [DONE]" in lines
+    record = await UsageRecord.objects.aget()
+    assert record.outcome == "ok" and record.completion_tokens == 200
+
+
 async def test_embeddings_in_openais_shape(two_replicas, alice_key):
     import base64
     import struct
