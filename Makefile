@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO := proto/llamafleet/agent/v1/agent.proto
 
-.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar llama-server
+.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-soak llama-server
 
 setup: $(VENV)/.installed
 
@@ -57,6 +57,10 @@ bench-planner: setup
 # Needs the test model cache (run `make test` once).
 bench-grammar: setup
 	$(PY) bench/grammar.py
+
+# 64 clients for 10 minutes against a fresh bench stack: no 5xx, 429 with Retry-After, flat memory.
+bench-soak: setup
+	$(PY) bench/soak.py
 
 superuser: setup
 	$(PY) manage.py createsuperuser
