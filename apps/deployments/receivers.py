@@ -7,8 +7,8 @@ from apps.nodes.signals import node_lost, node_reported
 
 
 @receiver(node_reported)
-def _on_node_reported(sender, node, reported, **kwargs):
-    services.apply_agent_report(node, reported)
+def _on_node_reported(sender, node, reported, restarted=False, **kwargs):
+    services.apply_agent_report(node, reported, restarted=restarted)
 
 
 @receiver(node_lost)

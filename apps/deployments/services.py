@@ -658,18 +658,34 @@ def free_remote(node: Node, replica_id: str) -> str:
     return ""
 
 
-def apply_agent_report(node: Node, reported: list[dict]) -> None:
-    """Compare what an agent holds with what we think it holds."""
+def apply_agent_report(node: Node, reported: list[dict], restarted: bool = False) -> None:
+    """Compare what an agent holds with what we think it holds. After a restart (a new boot)
+    nothing of the previous boot survives: its loading and unreachable replicas fail at once
+    too, rather than when their lease runs out or their node is swept."""
     from apps.deployments.tasks import free_on_node
 
     by_id = {r["replica_id"]: r for r in reported if _is_uuid(r["replica_id"])}
+    if restarted:
+        gone = Replica.objects.filter(
+            node=node, state__in=(S.LOADING, S.UNREACHABLE)
+        ).select_related("node", "plan")
+        for r in gone:
+            if str(r.pk) not in by_id:
+                fail_replica(
+                    r,
+                    f"the agent on {node.name} restarted: its engines are gone",
+                    (S.LOADING, S.UNREACHABLE),
+                )
     _readopt(node, by_id)
     for r in Replica.objects.filter(node=node, state=S.READY).select_related("node", "plan"):
         seen = by_id.get(str(r.pk))
         if seen is None:
-            fail_replica(
-                r, f"node {node.name} no longer holds this replica (agent restarted?)", (S.READY,)
+            why = (
+                f"the agent on {node.name} restarted: its engines are gone"
+                if restarted
+                else f"node {node.name} no longer holds this replica"
             )
+            fail_replica(r, why, (S.READY,))
         elif seen["state"] == "failed":
             # A split head aborts when a stage goes away: say which one.
             why = f"{seen['error']} (on node {node.name})" + diagnose_stages(r)

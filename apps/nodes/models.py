@@ -31,6 +31,9 @@ class Node(models.Model):
     disk_free_bytes = models.BigIntegerField(
         default=0, help_text="Free bytes where the agent keeps model files."
     )
+    boot_id = models.CharField(
+        max_length=64, blank=True, help_text="The agent's current start (changes on restart)."
+    )
     load_average = models.FloatField(default=0, help_text="One-minute load average.")
     cpu_cores = models.PositiveIntegerField(default=0)
     accelerators = models.JSONField(default=list, blank=True)

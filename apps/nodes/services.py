@@ -75,20 +75,28 @@ def record_heartbeat(payload: dict) -> Node:
         "in_flight": status.in_flight,
         "reported_replicas": replicas,
         "last_heartbeat_at": timezone.now(),
+        "boot_id": status.boot_id[:64],
     }
     with transaction.atomic():
-        previous = (
+        previous, previous_boot = (
             Node.objects.select_for_update()
             .filter(name=name)
-            .values_list("last_heartbeat_at", flat=True)
+            .values_list("last_heartbeat_at", "boot_id")
             .first()
-        )
+        ) or (None, "")
         node, created = Node.objects.update_or_create(name=name, defaults=fields)
+        restarted = bool(previous_boot and status.boot_id and previous_boot != status.boot_id)
         if created:
             log.info("node %s registered at %s", name, address)
+        elif restarted:
+            log.warning("node %s: its agent restarted (new boot)", name)
         transaction.on_commit(
             lambda: node_reported.send(
-                sender=Node, node=node, reported=replicas, previous_heartbeat_at=previous
+                sender=Node,
+                node=node,
+                reported=replicas,
+                previous_heartbeat_at=previous,
+                restarted=restarted,
             ),
             robust=True,  # a failed reaction is logged; the heartbeat itself is recorded
         )

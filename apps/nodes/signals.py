@@ -3,7 +3,8 @@
 from django.dispatch import Signal
 
 #: A heartbeat was recorded: sender=Node, node, reported=list of replica dicts,
-#: previous_heartbeat_at=datetime of the one before (None at registration).
+#: previous_heartbeat_at=datetime of the one before (None at registration), restarted=True
+#: when the agent reports another boot than before (its previous engines are all gone).
 node_reported = Signal()
 #: A node stopped sending heartbeats: sender=Node, since=datetime of its last one.
 node_lost = Signal()

@@ -7,6 +7,7 @@ import json
 import logging
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 
 import grpc
@@ -106,6 +107,8 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         self.replicas: dict[str, Replica] = {}
         #: Set on SIGTERM: no new generations; those in flight finish (see Agent.drain).
         self.draining = False
+        #: This start of the agent; engines and rpc servers do not outlive it.
+        self.boot_id = uuid.uuid4().hex
         self._on_change = on_change or (lambda: None)
         self.metrics = AgentMetrics(self)
 
@@ -308,6 +311,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             load_average=system.load_average(),
             rpc_servers=[_rpc_status(s) for s in self.rpc_servers.values()],
             disk_free_bytes=shutil.disk_usage(self.store.root).free,
+            boot_id=self.boot_id,
         )
 
     def in_flight(self) -> int:

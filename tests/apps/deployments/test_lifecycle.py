@@ -265,3 +265,31 @@ def test_a_load_whose_worker_died_fails_with_the_reason_and_one_never_sent_is_re
     assert fresh.state == "loading" and sent == [str(waiting.pk)]
     d.refresh_from_db()
     assert d.restarts == 1  # the restart policy takes it from there
+
+
+def test_an_agent_restart_fails_everything_of_its_previous_boot_at_once(
+    ops, smollm2_model, registered_agent, celery_worker_thread
+):
+    """A report with a new boot id: ready, loading and unreachable replicas of the old boot
+    all fail at that report, with the reason (a loading one would otherwise wait out its
+    lease)."""
+    r, _ = deploy_one_replica(ops, registered_agent)
+    d = Deployment.objects.get()
+    node = Node.objects.get()
+    soon = timezone.now() + timedelta(minutes=15)
+    loading = Replica.objects.create(
+        deployment=d, node=node, state="loading", lease_expires_at=soon
+    )
+    # What a restart looks like from here: the engines are gone and the boot id is new.
+    service = registered_agent.agent.service
+    registered_agent.call(service.shutdown())
+    service.replicas.clear()
+    old_boot, service.boot_id = service.boot_id, "a-new-boot"
+    assert Node.objects.get().boot_id == old_boot
+    registered_agent.heartbeat()
+    r.refresh_from_db()
+    loading.refresh_from_db()
+    assert r.state == loading.state == "failed"
+    assert "restarted: its engines are gone" in r.error
+    assert "restarted: its engines are gone" in loading.error
+    assert Node.objects.get().boot_id == "a-new-boot"
