@@ -114,8 +114,11 @@ def store_path(sha256: str) -> Path:
     return Path(settings.MODEL_STORE_DIR) / f"sha256-{sha256}.gguf"
 
 
-class PullJob(models.Model):
-    """One pull or import of a model file, with its progress."""
+class Job(models.Model):
+    """What pulls and quantizations share: a claimed, leased run with a phase and progress.
+
+    PROGRESS names the pair of fields that count done/total (bytes for a pull; tensors, then
+    bytes, for a quantization)."""
 
     class State(models.TextChoices):
         PENDING = "pending"
@@ -123,13 +126,10 @@ class PullJob(models.Model):
         DONE = "done"
         FAILED = "failed"
 
-    model = models.ForeignKey(CatalogModel, on_delete=models.CASCADE, related_name="pulls")
+    PROGRESS = ("done", "total")
+
     state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
-    #: A local file to import instead of the model's known source.
-    local_path = models.CharField(max_length=1000, blank=True)
     phase = models.CharField(max_length=200, blank=True)
-    bytes_done = models.BigIntegerField(default=0)
-    bytes_total = models.BigIntegerField(default=0)
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -138,24 +138,35 @@ class PullJob(models.Model):
     lease_expires_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
+        abstract = True
         ordering = ["-created_at"]
+
+    @property
+    def progress(self) -> float | None:
+        done, total = (getattr(self, f) for f in self.PROGRESS)
+        return round(done / total, 4) if total else None
+
+
+class PullJob(Job):
+    """One pull or import of a model file, with its progress."""
+
+    PROGRESS = ("bytes_done", "bytes_total")
+
+    model = models.ForeignKey(CatalogModel, on_delete=models.CASCADE, related_name="pulls")
+    #: A local file to import instead of the model's known source.
+    local_path = models.CharField(max_length=1000, blank=True)
+    bytes_done = models.BigIntegerField(default=0)
+    bytes_total = models.BigIntegerField(default=0)
+
+    class Meta(Job.Meta):
+        pass
 
     def __str__(self):
         return f"pull {self.model.name} ({self.state})"
 
-    @property
-    def progress(self) -> float | None:
-        return round(self.bytes_done / self.bytes_total, 4) if self.bytes_total else None
 
-
-class QuantizeJob(models.Model):
+class QuantizeJob(Job):
     """Making a quantized variant of a catalog model on a node of the fleet."""
-
-    class State(models.TextChoices):
-        PENDING = "pending"
-        RUNNING = "running"
-        DONE = "done"
-        FAILED = "failed"
 
     class Target(models.TextChoices):
         Q4_K_M = "Q4_K_M"
@@ -172,22 +183,11 @@ class QuantizeJob(models.Model):
     result = models.ForeignKey(
         CatalogModel, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
-    state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
-    phase = models.CharField(max_length=200, blank=True)
     done = models.BigIntegerField(default=0, help_text="Tensors (quantizing) or bytes (copying).")
     total = models.BigIntegerField(default=0)
-    error = models.TextField(blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
-    started_at = models.DateTimeField(null=True, blank=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
-    lease_expires_at = models.DateTimeField(null=True, blank=True)
 
-    class Meta:
-        ordering = ["-created_at"]
+    class Meta(Job.Meta):
+        pass
 
     def __str__(self):
         return f"quantize {self.source.name} to {self.target} ({self.state})"
-
-    @property
-    def progress(self) -> float | None:
-        return round(self.done / self.total, 4) if self.total else None

@@ -24,7 +24,7 @@ from llamafleet.agent.v1 import agent_pb2 as pb
 
 from apps.catalog.gguf_meta import BadGGUF, read_metadata
 from apps.catalog.models import CatalogModel, QuantizeJob, store_path
-from apps.catalog.services import _ProgressWriter, agent_files, register_files
+from apps.catalog.services import ProgressWriter, agent_files, register_files
 from apps.nodes import agent_client
 from apps.nodes.models import Node
 from controlplane.errors import Conflict, DomainError
@@ -163,7 +163,7 @@ def run_quantize(job_id: int, on_progress=None) -> QuantizeJob:
     job = QuantizeJob.objects.select_related("source").get(pk=job_id)
     if not claimed:
         return job
-    progress = _ProgressWriter(job.pk, on_progress, job_model=QuantizeJob)
+    progress = ProgressWriter(job.pk, on_progress, job_model=QuantizeJob)
     store = Path(settings.MODEL_STORE_DIR)
     store.mkdir(parents=True, exist_ok=True)
     out = store / f".quantize-{job.pk}.gguf"

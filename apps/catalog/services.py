@@ -138,8 +138,8 @@ def expire_leases() -> dict:
     return {"lost": len(lost_pulls) + lost_quantizations, "resent": resent}
 
 
-class _ProgressWriter:
-    """Writes progress to the job row at most a few times a second."""
+class ProgressWriter:
+    """Writes a job's progress to its row at most a few times a second."""
 
     def __init__(self, job_id: int, listener=None, job_model=PullJob):
         self.job_id = job_id
@@ -152,11 +152,7 @@ class _ProgressWriter:
         if now - self.last < 0.25 and done != total:
             return
         self.last = now
-        fields = (
-            {"bytes_done": done, "bytes_total": total}
-            if self.job_model is PullJob
-            else {"done": done, "total": total}
-        )
+        fields = dict(zip(self.job_model.PROGRESS, (done, total), strict=True))
         self.job_model.objects.filter(pk=self.job_id).update(phase=phase, **fields)
         if self.listener is not None:
             self.listener(phase, done, total)
@@ -176,9 +172,8 @@ def _fetch(job: PullJob, model: CatalogModel, tmp: Path, progress) -> tuple[str,
         return "", out
     if hub.is_hub_name(model.source):
         ref = hub.parse(model.source)
-        staging = Path(settings.MODEL_STORE_DIR) / ".hf" / ref.repo_id.replace("/", "--")
         revision, files = hub.fetch(
-            ref, staging, progress, endpoint=settings.HF_ENDPOINT, token=settings.HF_TOKEN
+            ref, _hub_staging(ref), progress, endpoint=settings.HF_ENDPOINT, token=settings.HF_TOKEN
         )
         return revision, [(path, sha, path.name) for path, sha in files]
     source = sources.KNOWN_MODELS[model.name]
@@ -187,6 +182,11 @@ def _fetch(job: PullJob, model: CatalogModel, tmp: Path, progress) -> tuple[str,
     if sha != source.sha256:
         raise sources.SourceError(f"sha256 is {sha}, expected {source.sha256}")
     return "", [(out, sha, f"{model.name}.gguf")]
+
+
+def _hub_staging(ref: hub.HubRef) -> Path:
+    """Where a repository's downloads wait, and a broken one is continued from."""
+    return Path(settings.MODEL_STORE_DIR) / ".hf" / ref.repo_id.replace("/", "--")
 
 
 def run_pull(job_id: int, on_progress=None) -> PullJob:
@@ -209,7 +209,7 @@ def run_pull(job_id: int, on_progress=None) -> PullJob:
     serving = model.state == CatalogModel.State.READY and all(p.exists() for p in model.paths)
     if not serving:
         CatalogModel.objects.filter(pk=model.pk).update(state=CatalogModel.State.PULLING, error="")
-    progress = _ProgressWriter(job.pk, on_progress)
+    progress = ProgressWriter(job.pk, on_progress)
     store = Path(settings.MODEL_STORE_DIR)
     store.mkdir(parents=True, exist_ok=True)
     try:
@@ -221,7 +221,8 @@ def run_pull(job_id: int, on_progress=None) -> PullJob:
             for path, sha, _ in parts:
                 os.replace(path, store_path(sha))
         if hub.is_hub_name(model.source) and not job.local_path:
-            shutil.rmtree(store / ".hf" / hub.parse(model.source).repo_id.replace("/", "--"))
+            # Its files are in the store now; a leftover costs disk only.
+            shutil.rmtree(_hub_staging(hub.parse(model.source)), ignore_errors=True)
     except Exception as exc:  # whatever it was (a timeout, a bad zip, a time limit): a final state
         expected = isinstance(exc, (sources.SourceError, BadGGUF, OSError))
         message = str(exc) if expected else f"{type(exc).__name__}: {exc}"

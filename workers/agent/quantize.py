@@ -44,8 +44,7 @@ async def run(
         raise EngineError("INVALID_ARGUMENT", "source_files is empty")
     started = time.monotonic()
     yield pb.QuantizeProgress(phase="fetching the source")
-    digest = hashlib.sha256("\n".join(f.sha256 for f in request.source_files).encode())
-    source = await store.ensure_model(digest.hexdigest(), request.source_files)
+    source = await store.ensure_model(request.source_files)
     out = store.root / f".quantize-{uuid.uuid4().hex[:12]}.gguf"
     with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as text:
         text.write(request.eval_text)

@@ -165,7 +165,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
                     download_url=request.download_url,
                 )
             ]
-            config.model_path = str(await self.store.ensure_model(request.sha256, files))
+            config.model_path = str(await self.store.ensure_model(files))
             await engine.start()
         except EngineError as exc:
             engine.state, engine.error = "failed", exc.message

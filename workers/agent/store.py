@@ -28,14 +28,16 @@ class ModelStore:
     def path_for(self, sha256: str) -> Path:
         return self.root / f"sha256-{sha256}.gguf"
 
-    async def ensure_model(self, sha256: str, files) -> Path:
+    async def ensure_model(self, files) -> Path:
         """The path llama.cpp should open for a model of one file or of several (a split):
         every file is fetched and verified; a split's parts are linked side by side under the
-        names llama.cpp looks for, and the first part's link is returned."""
+        names llama.cpp looks for (in a folder named by the parts' hashes, which is the
+        model's sha256 in the catalog), and the first part's link is returned."""
         paths = [await self.ensure(f.sha256, f.size_bytes, f.download_url) for f in files]
         if len(paths) == 1:
             return paths[0]
-        return self._link_split(self.root / f"split-{sha256[:32]}", paths)
+        parts = hashlib.sha256("\n".join(f.sha256 for f in files).encode()).hexdigest()
+        return self._link_split(self.root / f"split-{parts[:32]}", paths)
 
     @staticmethod
     def _link_split(folder: Path, paths: list[Path]) -> Path:

@@ -107,10 +107,9 @@ class AgentModelFileView(APIView):
 
     @extend_schema(responses={200: OpenApiResponse(description="the GGUF file")})
     def get(self, request, sha256):
-        ready = (
-            ModelFile.objects.filter(sha256=sha256, model__state=CatalogModel.State.READY).exists()
-            or CatalogModel.objects.filter(sha256=sha256, state=CatalogModel.State.READY).exists()
-        )
+        ready = ModelFile.objects.filter(
+            sha256=sha256, model__state=CatalogModel.State.READY
+        ).exists()
         path = store_path(sha256)
         if not ready or not path.exists():
             raise NotFound(f"no ready model file with sha256 {sha256}")

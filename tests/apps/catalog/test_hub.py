@@ -23,12 +23,14 @@ def split_parts(smollm2_path, tmp_path_factory):
 
 @pytest.fixture
 def fake_hub(settings, tmp_path, smollm2_path, split_parts):
+    readme = tmp_path / "README.md"
+    readme.write_text("# smol GGUF\n")
     running = FakeHub().start()
     running.add(
         "acme/smol-GGUF",
         {
             "smol-Q4_1.gguf": smollm2_path,
-            "README.md": smollm2_path.parent / smollm2_path.name,  # not a GGUF: never picked
+            "README.md": readme,  # not a GGUF: never picked
             # Named as if it were another quantization, to be picked by its own tag.
             "Q8_0/smol-Q8_0-00001-of-00003.gguf": split_parts[0],
             "Q8_0/smol-Q8_0-00002-of-00003.gguf": split_parts[1],
@@ -88,7 +90,9 @@ def test_a_tag_picks_one_file_or_a_whole_split():
         hub.choose(hub.parse("hf://a/b:Q3"), [hub.HubFile("m-Q3-00001-of-00002.gguf", 1, "", "")])
 
 
-def test_pull_by_tag_verifies_pins_the_commit_and_reports_progress(fake_hub, smollm2_path):
+def test_pull_by_tag_verifies_pins_the_commit_and_reports_progress(
+    fake_hub, smollm2_path, settings
+):
     seen = []
     job = _pull("hf://acme/smol-GGUF:Q4_1", name="smol", seen=seen)
     assert job.state == PullJob.State.DONE, job.error
@@ -105,13 +109,8 @@ def test_pull_by_tag_verifies_pins_the_commit_and_reports_progress(fake_hub, smo
     assert any(p.startswith("downloading smol-Q4_1.gguf") for p in phases)
     assert any(p.startswith("verifying") for p in phases)
     assert seen[-1][1] == seen[-1][2] == model.size_bytes
-    assert not (settings_store_dir(model) / ".hf").exists() or not any(
-        (settings_store_dir(model) / ".hf").iterdir()
-    )  # the staging folder is gone once the files are in the store
-
-
-def settings_store_dir(model):
-    return model.path.parent
+    # The staging folder is gone once the files are in the store.
+    assert not (settings.MODEL_STORE_DIR / ".hf" / "acme--smol-GGUF").exists()
 
 
 def test_a_dropped_connection_resumes_where_it_stopped(fake_hub):
@@ -135,18 +134,12 @@ def test_a_dropped_connection_resumes_where_it_stopped(fake_hub):
     assert model.state == "ready" and model.path.stat().st_size == model.size_bytes
 
 
-def test_a_file_that_does_not_match_the_hubs_sha256_is_refused(fake_hub):
+def test_a_file_that_does_not_match_the_hubs_sha256_is_refused(fake_hub, settings):
     fake_hub.repos["acme/smol-GGUF"].lie_sha.add("smol-Q4_1.gguf")
     job = _pull("hf://acme/smol-GGUF:Q4_1", name="smol")
     assert job.state == PullJob.State.FAILED and "the hub lists" in job.error
     assert CatalogModel.objects.get(name="smol").state == "failed"
-    assert not list(store_dir().glob("sha256-*.gguf"))
-
-
-def store_dir():
-    from django.conf import settings
-
-    return settings.MODEL_STORE_DIR
+    assert not list(settings.MODEL_STORE_DIR.glob("sha256-*.gguf"))
 
 
 def test_gated_repository_needs_the_token_which_never_reaches_a_log(

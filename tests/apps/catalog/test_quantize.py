@@ -9,6 +9,7 @@ from llamafleet.agent.v1 import agent_pb2 as pb
 from apps.catalog import quantization, services
 from apps.catalog.models import CatalogModel, PullJob, QuantizeJob
 from apps.nodes import agent_client
+from apps.nodes.models import Node
 from apps.nodes.services import record_heartbeat
 from tests.conftest import CHAT, RunningAgent
 from tests.ggufs import rewrite
@@ -133,7 +134,7 @@ def test_quantization_requests_that_cannot_work_are_refused_with_the_reason(
     )
     assert resp.status_code == 409 and "already has a model named smol-q41" in resp.text
     # No node with room: the job fails and says what each node has.
-    fleet.node.__class__.objects.filter(pk=fleet.node.pk).update(memory_available_bytes=1 << 20)
+    Node.objects.filter(pk=fleet.node.pk).update(memory_available_bytes=1 << 20)
     job = quantization.run_quantize(quantization.create_quantize(source, "Q8_0").pk)
     assert job.state == QuantizeJob.State.FAILED
     assert "no ready node has" in job.error and "quant-node: 1 MiB free memory" in job.error

@@ -4,6 +4,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from apps.catalog import services, sources
+from apps.catalog.management.progress import printer
 from apps.catalog.models import CatalogModel, PullJob
 from controlplane.errors import DomainError
 
@@ -34,15 +35,7 @@ class Command(BaseCommand):
         except DomainError as exc:
             raise CommandError(exc.message) from exc
         # Run in this process, printing the job's progress as it moves.
-        shown = set()
-
-        def report(phase, done, total):
-            step = (phase, done * 10 // total if total else 0)
-            if step not in shown:
-                shown.add(step)
-                self.stderr.write(f"  {phase} {done * 100 // total}%" if total else f"  {phase}")
-
-        job = services.run_pull(job.pk, on_progress=report)
+        job = services.run_pull(job.pk, on_progress=printer(self.stderr))
         if job.state != PullJob.State.DONE:
             raise CommandError(f"pull of {name or source} failed: {job.error}")
         model = job.model

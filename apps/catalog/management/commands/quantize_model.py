@@ -3,6 +3,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from apps.catalog import quantization
+from apps.catalog.management.progress import printer
 from apps.catalog.models import CatalogModel, QuantizeJob
 from controlplane.errors import DomainError
 
@@ -23,15 +24,7 @@ class Command(BaseCommand):
             job = quantization.create_quantize(model, target, name)
         except DomainError as exc:
             raise CommandError(exc.message) from exc
-        shown = set()
-
-        def report(phase, done, total):
-            step = (phase, done * 10 // total if total else 0)
-            if step not in shown:
-                shown.add(step)
-                self.stderr.write(f"  {phase} {done * 100 // total}%" if total else f"  {phase}")
-
-        job = quantization.run_quantize(job.pk, on_progress=report)
+        job = quantization.run_quantize(job.pk, on_progress=printer(self.stderr))
         if job.state != QuantizeJob.State.DONE:
             raise CommandError(f"quantization failed: {job.error}")
         result, e = job.result, job.result.evaluation
