@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from apps.serving.views import health, metrics
+from apps.serving.views import health, metrics, ready
 
 api_v1 = [
     path("", include("apps.accounts.api.urls")),
@@ -16,6 +16,7 @@ api_v1 = [
 
 urlpatterns = [
     path("healthz", health, name="health"),
+    path("readyz", ready, name="ready"),
     path("metrics", metrics, name="metrics"),
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),

@@ -23,21 +23,25 @@ if ! (exec 3<>"/dev/tcp/$rhost/$rport" && printf 'PING\r\n' >&3 && head -c5 <&3 
 fi
 
 # The console's browser tests drive Debian's chromium (Playwright's own download has no host
-# to come from here).
-if [ ! -x /usr/bin/chromium ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "Installing Debian's chromium for the browser tests"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
-  else
-    echo "The browser tests need /usr/bin/chromium: sudo apt-get install chromium" >&2
-    exit 1
+# to come from here); the deploy tests check docker-compose.yml with Debian's docker-compose.
+for tool in chromium docker-compose; do
+  if [ ! -x "/usr/bin/$tool" ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "Installing Debian's $tool for the tests"
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get install -y -q "$tool" >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q "$tool" >/dev/null; }
+    else
+      echo "The tests need /usr/bin/$tool: sudo apt-get install $tool" >&2
+      exit 1
+    fi
   fi
-fi
+done
 
 echo "== lint"
 "$BIN/ruff" check .
 "$BIN/ruff" format --check .
+echo "== yaml"
+"$BIN/yamllint" --strict -c .yamllint deploy docker-compose.yml
 echo "== django checks"
 "$PY" manage.py check --fail-level WARNING
 "$PY" manage.py makemigrations --check --dry-run

@@ -66,6 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         "(LLAMAFLEET_AGENT_METRICS; default 127.0.0.1:9464)",
     )
     a.add_argument(
+        "--health-listen",
+        default=_env("LLAMAFLEET_AGENT_HEALTH"),
+        help="address of a plaintext server with only the gRPC health service, for probes "
+        "that cannot speak mutual TLS, such as Kubernetes' grpc probe (LLAMAFLEET_AGENT_HEALTH; "
+        "default: none)",
+    )
+    a.add_argument(
         "--drain-seconds",
         type=float,
         default=float(_env("LLAMAFLEET_AGENT_DRAIN_SECONDS", "30")),
@@ -152,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         heartbeat_seconds=args.heartbeat,
         metrics_listen=args.metrics_listen,
+        health_listen=args.health_listen,
         metrics_token=_env("LLAMAFLEET_METRICS_TOKEN"),
         stream_interval_ms=args.stream_interval_ms,
         drain_seconds=args.drain_seconds,

@@ -7,6 +7,7 @@ class ServingConfig(AppConfig):
     name = "apps.serving"
 
     def ready(self):
-        from apps.serving import routing_table
+        from apps.serving import metrics, routing_table
 
         routing_table.connect_signals()
+        metrics.register_fleet_collector()

@@ -59,3 +59,55 @@ PREFIX_ROUTING = Counter(
 ROUTING_FALLBACKS = Counter(
     "llamafleet_routing_fallbacks", "Routing decisions taken without Redis (it did not answer)."
 )
+
+
+class FleetCollector:
+    """Fleet-wide gauges read from the database at scrape time: replicas by deployment and
+    state, and what the ready nodes cost per hour. Every web process reports the same values;
+    dashboards take their max."""
+
+    def describe(self):
+        return []  # no samples at registration (no database then)
+
+    def collect(self):
+        from django.db.models import Count, Sum
+        from prometheus_client.core import GaugeMetricFamily
+
+        from apps.deployments.models import Replica
+        from apps.nodes.models import Node
+
+        replicas = GaugeMetricFamily(
+            "llamafleet_replicas",
+            "Replicas by deployment and state.",
+            labels=["deployment", "state"],
+        )
+        for dep, state, n in (
+            Replica.objects.exclude(state=Replica.State.STOPPED)
+            .values_list("deployment__name", "state")
+            .annotate(n=Count("pk"))
+            .order_by()
+        ):
+            replicas.add_metric([dep, state], n)
+        yield replicas
+        cost = GaugeMetricFamily(
+            "llamafleet_fleet_cost_per_hour",
+            "Summed hourly price of the ready nodes.",
+            labels=["currency"],
+        )
+        for currency, total in (
+            Node.objects.filter(state=Node.State.READY)
+            .values_list("currency")
+            .annotate(total=Sum("price_per_hour"))
+            .order_by()
+        ):
+            cost.add_metric([currency], float(total or 0))
+        yield cost
+
+
+def register_fleet_collector() -> None:
+    """Once per process (from the app's ready())."""
+    from prometheus_client import REGISTRY
+
+    if not getattr(register_fleet_collector, "done", False):
+        REGISTRY.register(FleetCollector())
+        register_fleet_collector.done = True

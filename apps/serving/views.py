@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import hmac
@@ -15,6 +16,7 @@ from contextlib import aclosing
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
+from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
@@ -35,6 +37,7 @@ from apps.serving.services import (
 )
 from apps.usage.services import Caller
 from controlplane import strictjson
+from controlplane.redis import client as redis_client
 
 log = logging.getLogger(__name__)
 
@@ -376,10 +379,42 @@ async def metrics(request):
     if not (token and raw and hmac.compare_digest(raw.encode(), token.encode())):
         if not (await _authenticate(request)).staff:
             raise ServingError(403, "metrics are for operators", "permission_error")
-    return HttpResponse(generate_latest(), content_type=CONTENT_TYPE_LATEST)
+    # The fleet gauges query the database: off the event loop.
+    body = await sync_to_async(generate_latest)()
+    return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)
 
 
 @require_GET
 def health(request):
     """Liveness of the control plane process: open, answers without touching the database."""
     return JsonResponse({"status": "ok"})
+
+
+@require_GET
+async def ready(request):
+    """Readiness: this process can reach the database and Redis (a load balancer or
+    Kubernetes sends it traffic only then). Open, and it names what is down, not why."""
+    checks = {}
+    try:
+        await _select_one()
+        checks["database"] = "ok"
+    except Exception as exc:  # any failure means not ready; the log has the detail
+        log.warning("readiness: database: %s", exc)
+        checks["database"] = "unavailable"
+    try:
+        async with asyncio.timeout(2):
+            await redis_client().ping()
+        checks["redis"] = "ok"
+    except Exception as exc:
+        log.warning("readiness: redis: %s", exc)
+        checks["redis"] = "unavailable"
+    ok = all(v == "ok" for v in checks.values())
+    return JsonResponse(
+        {"status": "ok" if ok else "unavailable", **checks}, status=200 if ok else 503
+    )
+
+
+@sync_to_async
+def _select_one() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")

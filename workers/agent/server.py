@@ -41,6 +41,9 @@ class AgentSettings:
     heartbeat_seconds: float = 5.0
     metrics_listen: str = ""  # host:port of GET /metrics (metrics token as Bearer); "" for none
     metrics_token: str = ""  # scrape-only: it opens /metrics and nothing else
+    #: host:port of a plaintext server with only the gRPC health service, for probes that
+    #: cannot speak mutual TLS (Kubernetes' grpc probe); "" for none.
+    health_listen: str = ""
     stream_interval_ms: float = 20.0  # pieces of one stream closer than this are merged
     drain_seconds: float = 30.0  # on SIGTERM, how long generations in flight may finish
     rpc_host: str = ""  # where rpc servers listen; "" for the host of `advertise`
@@ -162,6 +165,7 @@ class Agent:
         self.port = 0
         self._tasks: list[asyncio.Task] = []
         self.metrics_server: asyncio.AbstractServer | None = None
+        self.health_server: grpc.aio.Server | None = None
 
     def _changed(self) -> None:
         if self.heartbeats is not None:
@@ -174,6 +178,13 @@ class Agent:
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.settings.health_listen:
+            # Health only, so nothing but SERVING/NOT_SERVING is readable without TLS.
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            if not self.health_server.add_insecure_port(self.settings.health_listen):
+                raise RuntimeError(f"cannot listen on {self.settings.health_listen}")
+            await self.health_server.start()
         if self.settings.advertise.endswith(":0"):
             self.settings.advertise = self.settings.advertise[:-1] + str(self.port)
         if self.settings.metrics_listen and not self.settings.metrics_token:
@@ -217,6 +228,8 @@ class Agent:
         # ENGINE_FAILED, which the web process answers by moving it to another replica.
         await self.service.shutdown()
         await self.server.stop(grace=2)
+        if self.health_server is not None:
+            await self.health_server.stop(grace=None)
 
 
 async def serve(settings: AgentSettings) -> None:
