@@ -251,6 +251,11 @@ REQUEST_TIMEOUT_SECONDS = env.float("LLAMAFLEET_REQUEST_TIMEOUT", default=600.0)
 #: process clear it at once).
 ROUTING_CACHE_SECONDS = env.float("LLAMAFLEET_ROUTING_CACHE_SECONDS", default=1.0)
 #: Times one stream may move to another replica after its replica fails mid-flight.
+#: A request for a model scaled to zero waits this long for a first replica (SSE comments
+#: keep a stream's connection open meanwhile), then gets 503 with Retry-After; beyond
+#: COLD_START_MAX_WAITING waiting requests per model, 503 at once.
+COLD_START_TIMEOUT = env.float("LLAMAFLEET_COLD_START_TIMEOUT", default=180.0)
+COLD_START_MAX_WAITING = env.int("LLAMAFLEET_COLD_START_MAX_WAITING", default=256)
 MAX_MIGRATIONS = env.int("LLAMAFLEET_MAX_MIGRATIONS", default=2)
 
 # Costs: reports are in this currency; nodes priced in another are listed, not added.

@@ -10,6 +10,8 @@ from controlplane.querysets import SignallingQuerySet
 class Deployment(models.Model):
     """What should run: a model as N replicas with a context window and batching slots."""
 
+    MAX_REPLICAS = 64
+
     class State(models.TextChoices):
         PENDING = "pending"
         DEPLOYING = "deploying"
@@ -20,6 +22,8 @@ class Deployment(models.Model):
         CRASH_LOOP = "crash_loop"
         STOPPING = "stopping"
         STOPPED = "stopped"
+        #: Scaled to zero by its autoscaler: the next request starts a replica.
+        IDLE = "idle"
 
     class Routing(models.TextChoices):
         ROUND_ROBIN = "round_robin"
@@ -192,6 +196,49 @@ class Replica(models.Model):
 
     def __str__(self):
         return f"{self.deployment.name}/{str(self.id)[:8]}@{self.node.name}"
+
+
+class ScalingPolicy(models.Model):
+    """How a deployment's replica count follows its load (see apps/deployments/autoscaling.py).
+
+    The target is what one replica should carry: requests in flight per slot, or requests
+    queued beyond its slots. Up: as soon as the load over `window_seconds` calls for more.
+    Down: only when it called for fewer during the whole `scale_down_delay_seconds`. Two
+    changes are at least `cooldown_seconds` apart, except a start from zero for a waiting
+    request.
+    """
+
+    class Mode(models.TextChoices):
+        OFF = "off", "off: replicas as set"
+        SHADOW = "shadow", "shadow: decisions recorded as events, not acted on"
+        ON = "on", "on: the autoscaler sets the replicas"
+
+    class Metric(models.TextChoices):
+        IN_FLIGHT_PER_SLOT = "in_flight_per_slot", "requests in flight per slot"
+        QUEUE_DEPTH = "queue_depth", "requests queued beyond a replica's slots"
+
+    deployment = models.OneToOneField(
+        Deployment, on_delete=models.CASCADE, related_name="autoscaling"
+    )
+    mode = models.CharField(max_length=10, choices=Mode.choices, default=Mode.ON)
+    min_replicas = models.PositiveIntegerField(default=1, help_text="0 allows scale to zero.")
+    max_replicas = models.PositiveIntegerField(default=4)
+    metric = models.CharField(
+        max_length=20, choices=Metric.choices, default=Metric.IN_FLIGHT_PER_SLOT
+    )
+    target = models.FloatField(
+        default=0.75, help_text="Per replica: in-flight requests per slot, or queued requests."
+    )
+    window_seconds = models.PositiveIntegerField(default=60)
+    scale_down_delay_seconds = models.PositiveIntegerField(default=300)
+    cooldown_seconds = models.PositiveIntegerField(default=60)
+    #: The last change made (mode on), and the replica count last decided (shadow included).
+    last_scaled_at = models.DateTimeField(null=True, blank=True)
+    last_desired = models.PositiveIntegerField(null=True, blank=True)
+    last_reason = models.TextField(blank=True)
+
+    def __str__(self):
+        return f"{self.deployment.name}: {self.mode} {self.min_replicas}..{self.max_replicas}"
 
 
 class DeploymentEvent(models.Model):

@@ -65,8 +65,8 @@ def check_create(
         raise Conflict(f"model {model_name} is {model.state}, not ready")
     if Deployment.objects.filter(name=name).exists():
         raise Conflict(f"a deployment named {name!r} exists")
-    if not 1 <= replicas <= 64:
-        raise DomainError("replicas must be between 1 and 64")
+    if not 1 <= replicas <= Deployment.MAX_REPLICAS:
+        raise DomainError(f"replicas must be between 1 and {Deployment.MAX_REPLICAS}")
     context_length = context_length or min(
         settings.DEFAULT_CONTEXT_LENGTH, model.context_length or 10**9
     )
@@ -138,8 +138,14 @@ def do_create(
 def do_scale(d: Deployment, replicas: int) -> Deployment:
     from apps.deployments.tasks import reconcile_deployment
 
-    if not 1 <= replicas <= 64:
-        raise DomainError("replicas must be between 1 and 64")
+    if not 1 <= replicas <= Deployment.MAX_REPLICAS:
+        raise DomainError(f"replicas must be between 1 and {Deployment.MAX_REPLICAS}")
+    policy = getattr(d, "autoscaling", None)
+    if policy is not None and policy.mode == policy.Mode.ON:
+        raise Conflict(
+            f"the autoscaler sets the replicas of {d.name} ({policy.min_replicas}.."
+            f"{policy.max_replicas}): change its bounds, or set its mode to off or shadow"
+        )
     if replicas != 1 and (
         d.split_mode in (Deployment.SplitMode.LAYER, Deployment.SplitMode.TENSOR)
         or d.replica_set.filter(state__in=Replica.LIVE, plan__kind=ShardPlan.Kind.SPLIT).exists()
@@ -351,6 +357,8 @@ def refresh_state(d: Deployment) -> str:
     if d.state in (D.STOPPING, D.STOPPED):
         busy = sum(counts.get(s, 0) for s in (*Replica.LIVE, S.STOPPING))
         state = D.STOPPING if busy else D.STOPPED
+    elif d.replicas == 0 and not any(counts.get(s, 0) for s in (*Replica.LIVE, S.UNREACHABLE)):
+        state, error = D.IDLE, ""  # scaled to zero; a request wakes it
     elif ready >= d.replicas:
         state, error = D.READY, ""
     elif ready or counts.get(S.UNREACHABLE, 0):

@@ -2,7 +2,7 @@
 
 from celery import shared_task
 
-from apps.deployments import services
+from apps.deployments import autoscaling, services
 from apps.deployments.models import Deployment, Replica
 from apps.nodes.models import Node
 from controlplane.celery import every
@@ -76,3 +76,13 @@ def expire_load_leases() -> dict:
 
 
 every(60.0, expire_load_leases.name, "deployments: expire load leases")
+
+
+@shared_task(time_limit=30, soft_time_limit=25, expires=autoscaling.TICK_SECONDS * 2)
+def autoscale() -> dict:
+    """Sample each autoscaled deployment's load and scale it (or, in shadow, record what it
+    would do)."""
+    return autoscaling.tick()
+
+
+every(autoscaling.TICK_SECONDS, autoscale.name, "deployments: autoscale")

@@ -7,7 +7,6 @@ class ServingConfig(AppConfig):
     name = "apps.serving"
 
     def ready(self):
-        from apps.serving import metrics, routing_table
+        from apps.serving import routing_table
 
         routing_table.connect_signals()
-        metrics.register_fleet_collector()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: The model label of requests for a model nothing served here: labels come from the catalog
 #: only, never from a client's string.
@@ -104,10 +104,7 @@ class FleetCollector:
         yield cost
 
 
-def register_fleet_collector() -> None:
-    """Once per process (from the app's ready())."""
-    from prometheus_client import REGISTRY
-
-    if not getattr(register_fleet_collector, "done", False):
-        REGISTRY.register(FleetCollector())
-        register_fleet_collector.done = True
+#: Apart from the default registry: collecting it queries the database, which code that reads
+#: the default registry (tests, in async contexts) must not do by surprise.
+FLEET = CollectorRegistry(auto_describe=False)
+FLEET.register(FleetCollector())

@@ -25,10 +25,10 @@ from django.conf import settings
 from llamafleet.agent.v1 import agent_pb2 as pb
 
 from apps.catalog.models import CatalogModel
-from apps.deployments.models import Replica
+from apps.deployments.models import Deployment, Replica, ScalingPolicy
 from apps.nodes import agent_client
 from apps.nodes.models import Node
-from apps.serving import balancer, metrics, routing_table
+from apps.serving import balancer, cold_start, metrics, routing_table
 from apps.usage.services import Caller, QuotaExceeded, Usage, check_quota, record_soon
 
 log = logging.getLogger(__name__)
@@ -184,11 +184,18 @@ async def ready_targets(
 
 
 async def served_models() -> list[dict]:
-    """Models with at least one ready replica, for /v1/models."""
+    """Models with at least one ready replica, or an autoscaled deployment that a request
+    starts, for /v1/models."""
     names = set()
     async for name in Replica.objects.filter(
         state=Replica.State.READY, node__state=Node.State.READY
     ).values_list("deployment__model__name", flat=True):
+        names.add(name)
+    async for name in (
+        Deployment.objects.filter(autoscaling__mode=ScalingPolicy.Mode.ON)
+        .exclude(state__in=[Deployment.State.STOPPING, Deployment.State.STOPPED])
+        .values_list("model__name", flat=True)
+    ):
         names.add(name)
     out = []
     async for m in CatalogModel.objects.filter(name__in=names).order_by("name"):
@@ -426,7 +433,16 @@ class _Slot:
 
 async def _targets_or_error(model: str, hashes: list[str] = ()) -> list[Target]:
     targets = await ready_targets(model, hashes=hashes)
-    if not targets and not await CatalogModel.objects.filter(name=model).aexists():
+    if not targets and await CatalogModel.objects.filter(name=model).aexists():
+        try:  # scaled to zero? then wait for the replica the request wakes
+            targets = await cold_start.wait_for_targets(
+                model, lambda: ready_targets(model, hashes=hashes)
+            )
+        except cold_start.ColdStartError as exc:
+            raise ServingError(
+                503, exc.message, "server_error", "no_replica", retry_after=exc.retry_after
+            ) from None
+    elif not targets:
         raise ServingError(
             404, f"The model '{model}' does not exist", code="model_not_found", param="model"
         )

@@ -23,6 +23,7 @@ from django.views.decorators.http import require_GET, require_POST
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from apps.accounts.services import authenticate_key, bearer_from_header
+from apps.serving import metrics as serving_metrics
 from apps.serving import schemas
 from apps.serving.services import (
     Finished,
@@ -98,27 +99,68 @@ def _guarded(view):
     return wrapper
 
 
+#: While a stream waits for a replica of a model scaled to zero, a comment every this many
+#: seconds keeps proxies and clients from timing the connection out.
+KEEPALIVE_SECONDS = 5.0
+
+
 async def _serve(request, model: type, shape: str) -> HttpResponse:
     try:
         caller = await _authenticate(request)
         body = schemas.parse(model, _parse_json(request))
         params, stream, include_usage = body.generation(), body.stream, body.include_usage
         events = generate(params, caller, "chat" if shape == "chat" else "completion")
-        gen = await anext(events)  # routed: errors so far still get a status code
+        routed = asyncio.ensure_future(anext(events))
+        if stream:
+            # Routed within a moment as a rule; a model scaled to zero takes longer.
+            try:
+                await asyncio.wait([routed], timeout=KEEPALIVE_SECONDS)
+            except asyncio.CancelledError:
+                routed.cancel()
+                raise
+            if not routed.done():
+                return _sse_response(
+                    _stream_after_start(routed, events, params, shape, include_usage)
+                )
+        gen = await routed  # routed: errors so far still get a status code
     except ServingError as err:
         return error_response(err)
     if stream:
-        response = StreamingHttpResponse(
-            _stream(events, gen, params, shape, include_usage), content_type="text/event-stream"
-        )
-        response["Cache-Control"] = "no-cache"
-        response["X-Accel-Buffering"] = "no"
+        response = _sse_response(_stream(events, gen, params, shape, include_usage))
     else:
         async with aclosing(events):
             response = await _collect(events, gen, params, shape)
     response["X-LlamaFleet-Node"] = gen.target.node_name
     response["X-LlamaFleet-Replica"] = gen.target.replica_id
     return response
+
+
+def _sse_response(chunks: AsyncIterator[bytes]) -> StreamingHttpResponse:
+    response = StreamingHttpResponse(chunks, content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return response
+
+
+async def _stream_after_start(
+    routed: asyncio.Future, events, params, shape: str, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """A stream whose replica is still starting: SSE comments until it is routed (clients
+    ignore them), then the stream; a failure to start arrives as an error event."""
+    try:
+        while not routed.done():
+            yield f": waiting for a replica of {params.model} to start\n\n".encode()
+            await asyncio.wait([routed], timeout=KEEPALIVE_SECONDS)
+        gen = routed.result()
+    except ServingError as err:
+        yield _sse(err.body())
+        return
+    finally:
+        if not routed.done():  # the client went away while waiting
+            routed.cancel()
+            await events.aclose()
+    async for chunk in _stream(events, gen, params, shape, include_usage):
+        yield chunk
 
 
 def _usage(f: Finished) -> dict:
@@ -380,7 +422,7 @@ async def metrics(request):
         if not (await _authenticate(request)).staff:
             raise ServingError(403, "metrics are for operators", "permission_error")
     # The fleet gauges query the database: off the event loop.
-    body = await sync_to_async(generate_latest)()
+    body = generate_latest() + await sync_to_async(generate_latest)(serving_metrics.FLEET)
     return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)
 
 

@@ -335,9 +335,10 @@ def test_dashboard_queries_name_only_metrics_the_processes_export(minimal):
 
     from prometheus_client import REGISTRY
 
+    from apps.serving.metrics import FLEET
     from workers.agent.metrics import AgentMetrics
 
-    exported = {m.name for m in REGISTRY.collect()}
+    exported = {m.name for m in REGISTRY.collect()} | {m.name for m in FLEET.collect()}
     exported |= {m.name for m in AgentMetrics(SimpleNamespace(replicas={})).registry.collect()}
     board = json.loads(one(minimal, "ConfigMap", "-dashboard")["data"]["llamafleet.json"])
     titles = " ".join(p["title"].lower() for p in board["panels"])
@@ -369,3 +370,14 @@ def test_docker_compose_config_is_valid(tmp_path):
         cwd=tmp_path,
     )
     assert done.returncode != 0 and "LLAMAFLEET_NODE_TOKEN" in done.stderr
+
+
+@pytest.mark.django_db
+def test_metrics_carry_the_fleet_gauges_the_dashboard_draws(ops):
+    from apps.nodes.models import Node
+
+    Node.objects.create(name="n1", address="10.0.0.1:50051", state="ready", price_per_hour="2.50")
+    Node.objects.create(name="n2", address="10.0.0.2:50051", state="ready", price_per_hour="1.25")
+    Node.objects.create(name="n3", address="10.0.0.3:50051", state="unreachable", price_per_hour=9)
+    text = ops.get("/metrics").content.decode()
+    assert 'llamafleet_fleet_cost_per_hour{currency="USD"} 3.75' in text

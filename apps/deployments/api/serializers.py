@@ -1,6 +1,13 @@
 from rest_framework import serializers
 
-from apps.deployments.models import Deployment, DeploymentEvent, PlanStage, Replica, ShardPlan
+from apps.deployments.models import (
+    Deployment,
+    DeploymentEvent,
+    PlanStage,
+    Replica,
+    ScalingPolicy,
+    ShardPlan,
+)
 
 
 class ReplicaSerializer(serializers.ModelSerializer):
@@ -83,8 +90,38 @@ class EventSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class AutoscalingSerializer(serializers.ModelSerializer):
+    """A deployment's autoscaling policy; on write, fields left out keep their values."""
+
+    class Meta:
+        model = ScalingPolicy
+        fields = [
+            "mode",
+            "min_replicas",
+            "max_replicas",
+            "metric",
+            "target",
+            "window_seconds",
+            "scale_down_delay_seconds",
+            "cooldown_seconds",
+            "last_scaled_at",
+            "last_desired",
+            "last_reason",
+        ]
+        read_only_fields = ["last_scaled_at", "last_desired", "last_reason"]
+        extra_kwargs = {
+            "min_replicas": {"max_value": Deployment.MAX_REPLICAS},
+            "max_replicas": {"min_value": 1, "max_value": Deployment.MAX_REPLICAS},
+            "target": {"min_value": 0.001, "max_value": 1000},
+            "window_seconds": {"min_value": 5, "max_value": 3600},
+            "scale_down_delay_seconds": {"max_value": 86400},
+            "cooldown_seconds": {"max_value": 3600},
+        }
+
+
 class DeploymentSerializer(serializers.ModelSerializer):
     model = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    autoscaling = serializers.SerializerMethodField()
     replica_set = ReplicaSerializer(many=True, read_only=True)
     plan = serializers.SerializerMethodField()
     recent_events = serializers.SerializerMethodField()
@@ -103,6 +140,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "split_mode",
             "pin_nodes",
             "restart_policy",
+            "autoscaling",
             "restarts",
             "next_restart_at",
             "state",
@@ -123,6 +161,10 @@ class DeploymentSerializer(serializers.ModelSerializer):
         first = live.first()
         plan = first.plan if first else d.plans.first()
         return ShardPlanSerializer(plan).data if plan else None
+
+    def get_autoscaling(self, d) -> dict | None:
+        policy = ScalingPolicy.objects.filter(deployment=d).first()
+        return AutoscalingSerializer(policy).data if policy else None
 
     def get_recent_events(self, d) -> list[dict]:
         return EventSerializer(d.events.all()[:10], many=True).data
@@ -156,6 +198,9 @@ class CreateDeploymentSerializer(serializers.Serializer):
     restart_policy = serializers.ChoiceField(
         choices=Deployment.Restart.choices, default=Deployment.Restart.ALWAYS
     )
+    autoscaling = AutoscalingSerializer(
+        required=False, help_text="Replicas follow the load between min and max (min 0 allowed)."
+    )
 
 
 class PlanRequestSerializer(CreateDeploymentSerializer):
@@ -163,6 +208,7 @@ class PlanRequestSerializer(CreateDeploymentSerializer):
     routing_policy = None
     batching = None
     restart_policy = None
+    autoscaling = None
 
 
 class ScaleSerializer(serializers.Serializer):

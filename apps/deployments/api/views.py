@@ -1,11 +1,13 @@
+from django.db import transaction
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from apps.accounts.permissions import IsOperator
-from apps.deployments import placement, services
+from apps.deployments import autoscaling, placement, services
 from apps.deployments.api.serializers import (
+    AutoscalingSerializer,
     CreateDeploymentSerializer,
     DeploymentSerializer,
     EventSerializer,
@@ -14,7 +16,8 @@ from apps.deployments.api.serializers import (
     ScaleSerializer,
     ShardPlanSerializer,
 )
-from apps.deployments.models import Deployment
+from apps.deployments.models import Deployment, ScalingPolicy
+from controlplane.errors import NotFound
 
 
 class DeploymentViewSet(
@@ -37,18 +40,22 @@ class DeploymentViewSet(
         data = CreateDeploymentSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         v = data.validated_data
-        d = services.do_create(
-            v.get("name") or v["model"],
-            v["model"],
-            v["replicas"],
-            v.get("context_length"),
-            v.get("parallel"),
-            v.get("routing_policy"),
-            v["batching"],
-            v["split_mode"],
-            v["pin_nodes"],
-            v["restart_policy"],
-        )
+        with transaction.atomic():  # with a refused policy, no deployment either
+            d = services.do_create(
+                v.get("name") or v["model"],
+                v["model"],
+                v["replicas"],
+                v.get("context_length"),
+                v.get("parallel"),
+                v.get("routing_policy"),
+                v["batching"],
+                v["split_mode"],
+                v["pin_nodes"],
+                v["restart_policy"],
+            )
+            if "autoscaling" in v:
+                autoscaling.do_set_policy(d, dict(v["autoscaling"]))
+                d.refresh_from_db()
         return Response(DeploymentSerializer(d).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=PlanRequestSerializer, responses={200: PlanPreviewSerializer})
@@ -82,6 +89,25 @@ class DeploymentViewSet(
         data.is_valid(raise_exception=True)
         d = services.do_scale(self.get_object(), data.validated_data["replicas"])
         return Response(DeploymentSerializer(d).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(
+        methods=["PUT"], request=AutoscalingSerializer, responses={200: AutoscalingSerializer}
+    )
+    @extend_schema(methods=["GET"], responses={200: AutoscalingSerializer})
+    @action(detail=True, methods=["get", "put"])
+    def autoscaling(self, request, name=None):
+        """The autoscaling policy (404 when there is none). PUT creates or changes it; fields
+        left out keep their values. Mode shadow records decisions without acting on them."""
+        d = self.get_object()
+        if request.method == "GET":
+            policy = ScalingPolicy.objects.filter(deployment=d).first()
+            if policy is None:
+                raise NotFound(f"{d.name} has no autoscaling policy")
+            return Response(AutoscalingSerializer(policy).data)
+        data = AutoscalingSerializer(data=request.data, partial=True)
+        data.is_valid(raise_exception=True)
+        policy = autoscaling.do_set_policy(d, dict(data.validated_data))
+        return Response(AutoscalingSerializer(policy).data)
 
     @extend_schema(request=None, responses={202: DeploymentSerializer})
     @action(detail=True, methods=["post"])

@@ -23,6 +23,7 @@ METHODS = ["get", "post", "put", "patch", "delete"]
 #: route -> the least role that may call it (NODE: the node token, and nothing else).
 ROUTES = {
     "healthz": ANON,
+    "readyz": ANON,
     "metrics": OPERATOR,
     "api/v1/api-keys/": APP,
     "api/v1/api-keys/{pk}/": APP,
@@ -51,6 +52,7 @@ ROUTES = {
     "api/v1/deployments/{name}/plans/": OPERATOR,
     "api/v1/deployments/{name}/redeploy/": OPERATOR,
     "api/v1/deployments/{name}/scale/": OPERATOR,
+    "api/v1/deployments/{name}/autoscaling/": OPERATOR,
     "api/v1/deployments/{name}/undeploy/": OPERATOR,
     "api/v1/usage/": APP,
     "api/v1/usage/{request_id}/": APP,
