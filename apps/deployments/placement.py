@@ -103,10 +103,28 @@ def preview(
 
 
 def plan_for(d: Deployment, count: int) -> P.Plan:
-    """Where `count` more replicas of a deployment would go now."""
-    return preview(
-        d.model, d.context_length, d.parallel, count, d.split_mode, d.pin_nodes, deployment=d
+    """Where `count` more replicas (or copies of a split) of a deployment would go now. Nodes
+    that already hold a part of one of its splits are left out: copies do not overlap."""
+    taken = set(
+        PlanStage.objects.filter(
+            plan__deployment=d,
+            plan__kind=ShardPlan.Kind.SPLIT,
+            plan__replicas__state__in=(*Replica.LIVE, Replica.State.UNREACHABLE),
+        ).values_list("node_name", flat=True)
     )
+    nodes, links = cluster(d)
+    pins = [n for n in d.pin_nodes if n not in taken]
+    request = P.Request(
+        context_length=d.context_length,
+        parallel=d.parallel,
+        replicas=count,
+        split_mode=d.split_mode,
+        pin_nodes=tuple(pins),
+    )
+    if d.pin_nodes and not pins:
+        return P.Plan("refused", error="every pinned node already holds a copy of this split")
+    usable = [n for n in nodes if n.name not in taken]
+    return P.plan(model_facts(d.model), request, usable, links)
 
 
 @transaction.atomic
@@ -116,6 +134,7 @@ def save(d: Deployment, plan: P.Plan) -> ShardPlan:
     plan_fields = plan.as_dict()
     stages = plan_fields.pop("stages")
     plan_fields.pop("error")  # a stored plan is never a refusal
+    plan_fields.pop("copies")  # each copy is stored as a plan of its own
     sp = ShardPlan.objects.create(deployment=d, **plan_fields)
     for i, fields in enumerate(stages):
         node = nodes[fields.pop("node")]
@@ -132,10 +151,13 @@ def save(d: Deployment, plan: P.Plan) -> ShardPlan:
 
 
 def free_rpc_port(node: Node) -> int:
-    """The lowest rpc port no live split replica uses on this node."""
+    """The lowest rpc port no live split replica uses on this node's host (agents that share
+    a machine share its ports)."""
+    host = node.address.rsplit(":", 1)[0]
+    same_host = Node.objects.filter(Q(pk=node.pk) | Q(address__startswith=f"{host}:"))
     used = set(
         PlanStage.objects.filter(
-            node=node, rpc_port__isnull=False, plan__replicas__state__in=Replica.LIVE
+            node__in=same_host, rpc_port__isnull=False, plan__replicas__state__in=Replica.LIVE
         ).values_list("rpc_port", flat=True)
     )
     port = settings.RPC_PORT_BASE

@@ -18,7 +18,7 @@ otherwise a refusal that says how far off the cluster is.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 GiB = 2**30
 MiB = 2**20
@@ -137,12 +137,18 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     error: str = ""
+    #: Further copies of a split (each its own head and stages, on nodes no other copy uses).
+    copies: list[Plan] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         d = asdict(self)
         for s, stage in zip(d["stages"], self.stages, strict=True):
             s["total_bytes"] = stage.total_bytes
+        d["copies"] = [c.as_dict() for c in self.copies]
         return d
+
+    def each_copy(self) -> list[Plan]:
+        return [self, *self.copies]
 
 
 # ---- memory: what llama.cpp allocates --------------------------------------------------
@@ -349,14 +355,37 @@ def _note_accelerators(p: Plan) -> None:
 
 
 def _split(m, r, usable, links, mode, whole) -> Plan:
-    """The fewest nodes that hold the model, and each one's part."""
-    if r.replicas != 1:
-        return Plan(
-            "refused",
-            split_mode=mode,
-            needed_bytes=whole,
-            error="a split deployment runs one copy: ask for 1 replica",
-        )
+    """The fewest nodes that hold the model, and each one's part; with several replicas,
+    copy after copy, each on nodes the others do not use (a node's loss takes one copy)."""
+    if r.replicas > 1:
+        if r.pin_nodes and len(usable) % r.replicas:
+            return Plan(
+                "refused",
+                split_mode=mode,
+                needed_bytes=whole,
+                error=f"{len(usable)} pinned nodes do not divide into {r.replicas} copies "
+                "(pinned nodes go in order, the same number to each copy, head first)",
+            )
+        size = len(usable) // r.replicas
+        one, left, copies = replace(r, replicas=1), list(usable), []
+        for i in range(r.replicas):
+            if r.pin_nodes:  # the next group of pinned nodes, in the order given
+                group = usable[i * size : (i + 1) * size]
+                one, left = replace(r, replicas=1, pin_nodes=tuple(n.name for n in group)), group
+            p = _split(m, one, left, links, mode, whole)
+            if p.kind == "refused":
+                p.error = (
+                    f"copy {i + 1} of {r.replicas}: {p.error} "
+                    f"(copies of a split run on nodes that do not overlap)"
+                )
+                return p
+            used = {s.node for s in p.stages}
+            left = [n for n in left if n.name not in used]
+            copies.append(p)
+        first = copies[0]
+        first.copies = copies[1:]
+        first.reasons.append(f"{r.replicas} copies, on nodes that do not overlap")
+        return first
     # Tensor parallel slices layers over the stages: it takes two of them besides the head.
     least = 3 if mode == "tensor" else 2
     if len(usable) < least:

@@ -80,8 +80,6 @@ def check_create(
         raise DomainError("context_length must be 16..1048576 and parallel 1..256")
     if split_mode not in Deployment.SplitMode.values:
         raise DomainError(f"split_mode must be one of {', '.join(Deployment.SplitMode.values)}")
-    if split_mode in (Deployment.SplitMode.LAYER, Deployment.SplitMode.TENSOR) and replicas != 1:
-        raise DomainError("a split deployment runs one copy: replicas must be 1")
     unknown = set(pin_nodes or ()) - set(Node.objects.values_list("name", flat=True))
     if unknown:
         raise DomainError(f"unknown node(s) to pin: {', '.join(sorted(unknown))}")
@@ -146,11 +144,6 @@ def do_scale(d: Deployment, replicas: int) -> Deployment:
             f"the autoscaler sets the replicas of {d.name} ({policy.min_replicas}.."
             f"{policy.max_replicas}): change its bounds, or set its mode to off or shadow"
         )
-    if replicas != 1 and (
-        d.split_mode in (Deployment.SplitMode.LAYER, Deployment.SplitMode.TENSOR)
-        or d.replica_set.filter(state__in=Replica.LIVE, plan__kind=ShardPlan.Kind.SPLIT).exists()
-    ):
-        raise Conflict(f"{d.name} is split over several nodes and runs one copy")
     if d.state in (D.STOPPING, D.STOPPED):
         raise Conflict(f"{d.name} is {d.state}; redeploy it first")
     with transaction.atomic():
@@ -221,13 +214,14 @@ def reconcile(deployment_id: int) -> None:
         if missing > 0:
             plan = placement.plan_for(d, missing)
             why = plan.error or "; ".join(w for w in plan.warnings if "fit now" in w)
-            if plan.kind != "refused":
-                stored = placement.save(d, plan)
+            # Replicas share one plan (a head each); each copy of a split has its own.
+            for copy in plan.each_copy() if plan.kind != "refused" else ():
+                stored = placement.save(d, copy)
                 heads = [s for s in stored.stages.select_related("node") if s.role != "stage"]
                 for st in heads:
                     r = Replica.objects.create(deployment=d, node=st.node, plan=stored)
                     record_event(d, _placed(stored, st), replica=r)
-                    for w in plan.warnings:
+                    for w in copy.warnings:
                         record_event(d, f"plan: {w}", level="warning", replica=r)
                     transaction.on_commit(lambda r=r: load_replica.delay(str(r.pk)))
             if why and why != d.error:

@@ -81,6 +81,10 @@ class PlanPreviewSerializer(serializers.Serializer):
     warnings = serializers.ListField(child=serializers.CharField())
     error = serializers.CharField()
     stages = serializers.ListField(child=serializers.DictField())
+    copies = serializers.ListField(
+        child=serializers.DictField(),
+        help_text="Further copies of a split with several replicas, each in this same shape.",
+    )
 
 
 class EventSerializer(serializers.ModelSerializer):

@@ -83,12 +83,12 @@ def test_pins_and_forced_modes_are_checked(ops, smollm2_model, small_nodes):
         format="json",
     )
     assert resp.status_code == 400 and "nope" in resp.json()["detail"]
-    resp = ops.post(
-        "/api/v1/deployments/",
-        {"model": "smollm2-135m-instruct", "replicas": 2, "split_mode": "layer"},
-        format="json",
-    )
-    assert resp.status_code == 400 and "replicas must be 1" in resp.json()["detail"]
+    # Two copies of a split need two sets of nodes that do not overlap: three nodes hold one.
+    plan = preview(ops, split_mode="layer", replicas=2)
+    assert plan["kind"] == "refused"
+    assert "copy 2 of 2" in plan["error"] and "do not overlap" in plan["error"]
+    plan = preview(ops, split_mode="layer", replicas=2, pin_nodes=["n0", "n1", "n2"])
+    assert plan["kind"] == "refused" and "do not divide into 2 copies" in plan["error"]
 
 
 def test_a_deployment_keeps_its_plan_and_shows_it(ops, smollm2_model, small_nodes):

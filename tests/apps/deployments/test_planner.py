@@ -62,6 +62,26 @@ def test_a_model_too_big_for_any_node_is_split_over_the_fewest_nodes():
     assert "fewest" in p.reasons[0]
 
 
+def test_copies_of_a_split_run_on_nodes_that_do_not_overlap():
+    p = P.plan(BIG, P.Request(4096, 2, replicas=2), nodes(8, 8, 8, 8, 8, 2))
+    assert p.kind == "split" and len(p.copies) == 1
+    sets = [{s.node for s in c.stages} for c in p.each_copy()]
+    assert all(len(x) == 2 for x in sets) and not sets[0] & sets[1]
+    assert all(c.stages[0].role == "head" for c in p.each_copy())
+    assert "2 copies" in p.reasons[-1]
+    assert len(p.as_dict()["copies"]) == 1
+    # Not enough nodes for a third copy: refused, saying which copy and why.
+    p = P.plan(BIG, P.Request(4096, 2, replicas=3), nodes(8, 8, 8, 8, 8, 2))
+    assert p.kind == "refused" and p.error.startswith("copy 3 of 3:")
+    # Pinned: in the order given, the same number per copy, head first.
+    p = P.plan(
+        BIG,
+        P.Request(4096, 2, replicas=2, split_mode="layer", pin_nodes=("n3", "n0", "n1", "n2")),
+        nodes(8, 8, 8, 8),
+    )
+    assert [[s.node for s in c.stages] for c in p.each_copy()] == [["n3", "n0"], ["n1", "n2"]]
+
+
 def test_three_nodes_when_two_do_not_hold_it():
     p = P.plan(BIG, REQ, nodes(6, 6, 6, 6))
     assert p.kind == "split" and len(p.stages) == 3

@@ -250,3 +250,60 @@ def test_a_stage_whose_agent_no_longer_runs_its_rpc_server_fails_the_split(
     d.refresh_from_db()
     assert d.state == Deployment.State.FAILED
     assert f"the rpc server of stage stage ({endpoint}) is gone" in d.error
+
+
+@pytest.fixture
+def four_nodes(transactional_db, smollm2_model, model_store, settings):
+    """Four real agents (loopback): room for two copies of a two-node split."""
+    from apps.nodes.services import record_heartbeat
+
+    settings.RPC_PORT_BASE = free_port_run(8)
+    agents = {name: RunningAgent(model_store, name) for name in ("h1", "s1", "h2", "s2")}
+    for a in agents.values():
+        a.heartbeat = lambda a=a: record_heartbeat(a.status_payload())
+        a.node = a.heartbeat()
+    yield agents
+    for a in agents.values():
+        a.close()
+
+
+def test_two_copies_of_a_split_on_separate_nodes_and_a_stream_moves_between_them(
+    four_nodes, celery_worker_thread, reference_llama
+):
+    from apps.deployments import services
+    from apps.deployments.models import Deployment
+    from apps.serving.services import GenerationParams
+    from tests.apps.serving.test_routing import STORY, generate_killing_replica
+
+    d = services.do_create(
+        SMOLLM2, SMOLLM2, 2, 512, 2, split_mode="layer", pin_nodes=["h1", "s1", "h2", "s2"]
+    )
+    wait_for(lambda: settled(d), 180)
+    assert d.state == Deployment.State.READY, d.error
+    replicas = list(d.replica_set.filter(state="ready").select_related("plan", "node"))
+    assert sorted(r.node.name for r in replicas) == ["h1", "h2"]
+    parts = [[(s.node_name, s.role) for s in r.plan.stages.all()] for r in replicas]
+    assert sorted(parts) == [[("h1", "head"), ("s1", "stage")], [("h2", "head"), ("s2", "stage")]]
+
+    # A stream whose head dies continues on the other copy, losing and repeating nothing.
+    heads = {str(r.pk): four_nodes[r.node.name] for r in replicas}
+    for rid, a in heads.items():
+        a.replica_id = rid
+    params = GenerationParams(model=SMOLLM2, messages=STORY, max_tokens=60, temperature=0)
+    gen, text, finished = asyncio.run(generate_killing_replica(params, heads, after=8))
+    assert finished.migrations == 1 and finished.completion_tokens == 60
+    assert {t.replica_id for t in gen.served} == set(heads)
+    expected = reference_llama.detokenize(gen.token_ids).decode("utf-8", errors="replace")
+    assert "".join(text) == expected
+
+    # Scaling to one copy frees the other copy (the one that failed goes first).
+    services.do_scale(d, 1)
+    wait_for(lambda: d.replica_set.exclude(state="stopped").count() == 1, 60)
+    [kept] = d.replica_set.exclude(state="stopped")
+    kept_nodes = {s.node_name for s in kept.plan.stages.all()}
+    wait_for(
+        lambda: {n for n, a in four_nodes.items() if a.agent.service.replicas}
+        | {n for n, a in four_nodes.items() if a.agent.service.rpc_servers}
+        <= kept_nodes,
+        60,
+    )
