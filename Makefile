@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO := proto/llamafleet/agent/v1/agent.proto
 
-.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-soak llama-server
+.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-soak bench-fleet bench-coldstart llama-server
 
 setup: $(VENV)/.installed
 
@@ -53,6 +53,14 @@ bench-split: setup
 
 bench-planner: setup
 	$(PY) bench/planner.py
+
+# The control plane with 1,000 simulated agents (PostgreSQL and Redis; the test model cache).
+bench-fleet: setup
+	$(PY) bench/fleet.py
+
+# Time to first token from zero replicas (needs the test model cache).
+bench-coldstart: setup
+	$(PY) bench/coldstart.py
 
 # Needs the test model cache (run `make test` once).
 bench-grammar: setup

@@ -19,6 +19,7 @@ import weakref
 
 import redis.asyncio as aioredis
 from django.conf import settings
+from redis import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -93,6 +94,18 @@ def client() -> aioredis.Redis:
             settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0
         )
     return found
+
+
+_sync: Redis | None = None
+
+
+def sync_client() -> Redis:
+    """The process's synchronous client (thread-safe pool), for sync code: tasks, the
+    heartbeat API. Short timeouts: callers fall back without Redis."""
+    global _sync
+    if _sync is None:
+        _sync = Redis.from_url(settings.REDIS_URL, socket_timeout=2.0, socket_connect_timeout=2.0)
+    return _sync
 
 
 def key(*parts) -> str:

@@ -212,8 +212,12 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "control"
 CELERY_TASK_ROUTES = {
-    # The lease sweeper must not wait behind an hour-long pull.
-    "apps.catalog.tasks.expire_job_leases": {"queue": "control"},
+    # Periodic checks must not wait behind a backlog of loads or an hour-long pull: their own
+    # queue, which the worker serves alongside the others.
+    "apps.nodes.tasks.sweep_stale_nodes": {"queue": "liveness"},
+    "apps.deployments.tasks.autoscale": {"queue": "liveness"},
+    "apps.deployments.tasks.expire_load_leases": {"queue": "liveness"},
+    "apps.catalog.tasks.expire_job_leases": {"queue": "liveness"},
     "apps.catalog.tasks.*": {"queue": "jobs"},
     "apps.deployments.tasks.*": {"queue": "control"},
     "apps.nodes.tasks.*": {"queue": "control"},

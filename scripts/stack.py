@@ -182,15 +182,8 @@ class Stack:
 
     # ---- the whole thing -----------------------------------------------------------
 
-    def up(self, model: str, wait: float) -> None:
-        print("Starting LlamaFleet:")
-        check = subprocess.run([PY, "scripts/check_engine.py"], cwd=ROOT)
-        if check.returncode:
-            sys.exit(1)
-        self.ensure_redis()
-        self.manage("migrate", "-v0")
-        key = self.env["LLAMAFLEET_BOOTSTRAP_KEY"]
-        self.manage("create_api_key", "bootstrap", "--key", key, quiet=True)
+    def control_plane(self) -> None:
+        """The web process, the Celery worker and beat (no agent, nothing deployed)."""
         self.start(
             "web",
             [
@@ -221,7 +214,7 @@ class Stack:
                 "controlplane",
                 "worker",
                 "-Q",
-                "control,jobs",
+                "liveness,control,jobs",
                 "-c",
                 "2",
                 "-n",
@@ -245,6 +238,17 @@ class Stack:
                 str(self.var / "celerybeat-schedule"),
             ],
         )
+
+    def up(self, model: str, wait: float) -> None:
+        print("Starting LlamaFleet:")
+        check = subprocess.run([PY, "scripts/check_engine.py"], cwd=ROOT)
+        if check.returncode:
+            sys.exit(1)
+        self.ensure_redis()
+        self.manage("migrate", "-v0")
+        key = self.env["LLAMAFLEET_BOOTSTRAP_KEY"]
+        self.manage("create_api_key", "bootstrap", "--key", key, quiet=True)
+        self.control_plane()
         self.start(
             "agent",
             [

@@ -23,6 +23,22 @@ SMOLLM2 = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
+@pytest.fixture(autouse=True)
+def _heartbeats_start_afresh():
+    """Each test's database starts empty: so must the web process's memory of which nodes
+    it recorded in full (a node of an earlier test would have its report buffered)."""
+    from apps.nodes import services
+    from controlplane.redis import sync_client
+
+    def forget():
+        services._recorded.clear()
+        sync_client().delete(services._buffer_key())
+
+    forget()
+    yield
+    forget()
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (on 127.0.0.1)."""
     with socket.socket() as s:
@@ -327,7 +343,7 @@ def celery_worker_thread(transactional_db):
         pool="threads",
         concurrency=2,
         perform_ping_check=False,
-        queues=["control", "jobs"],
+        queues=["liveness", "control", "jobs"],
         loglevel="WARNING",
         shutdown_timeout=30,
     ) as worker:

@@ -26,7 +26,8 @@ def test_celery_effective_config():
         "apps.deployments.tasks.load_replica": ("control", 960),
         "apps.deployments.tasks.reconcile_deployment": ("control", 120),
         "apps.deployments.tasks.free_replica": ("control", 90),
-        "apps.nodes.tasks.sweep_stale_nodes": ("control", 60),
+        "apps.nodes.tasks.sweep_stale_nodes": ("liveness", 60),
+        "apps.deployments.tasks.autoscale": ("liveness", 30),
         "apps.usage.tasks.make_report": ("jobs", 360),
     }
     for name, (queue, limit) in expected.items():

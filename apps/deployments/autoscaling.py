@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
-from redis import Redis
 from redis.exceptions import RedisError
 
 from apps.deployments.models import Deployment, Replica, ScalingPolicy
 from controlplane.errors import Conflict, DomainError
 from controlplane.redis import key as redis_key
+from controlplane.redis import sync_client as _redis
 
 log = logging.getLogger(__name__)
 D = Deployment.State
@@ -39,14 +39,6 @@ P = ScalingPolicy
 
 #: Seconds between samples (the beat schedule).
 TICK_SECONDS = 5.0
-_sync_redis: Redis | None = None
-
-
-def _redis() -> Redis:
-    global _sync_redis
-    if _sync_redis is None:
-        _sync_redis = Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
-    return _sync_redis
 
 
 def waiting_key(model_name: str) -> str:

@@ -186,6 +186,9 @@ class Replica(models.Model):
     #: Set when a worker claims the load: past it, the load is taken as lost (the worker died
     #: with the claim) and the replica fails with that reason, to be replaced.
     lease_expires_at = models.DateTimeField(null=True, blank=True)
+    #: Ready, but missing from its node's reports since then. A report is a snapshot that
+    #: may arrive late; only one that is still missing it this long after counts.
+    missing_since = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

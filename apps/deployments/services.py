@@ -660,6 +660,11 @@ def free_remote(node: Node, replica_id: str) -> str:
     return ""
 
 
+#: How long a ready replica may be missing from its node's reports before it counts as gone
+#: (reports are snapshots that can arrive late: built, queued, buffered, flushed).
+REPORT_GRACE_SECONDS = 10
+
+
 def apply_agent_report(node: Node, reported: list[dict], restarted: bool = False) -> None:
     """Compare what an agent holds with what we think it holds. After a restart (a new boot)
     nothing of the previous boot survives: its loading and unreachable replicas fail at once
@@ -667,6 +672,8 @@ def apply_agent_report(node: Node, reported: list[dict], restarted: bool = False
     from apps.deployments.tasks import free_on_node
 
     by_id = {r["replica_id"]: r for r in reported if _is_uuid(r["replica_id"])}
+    if not restarted and _as_expected(node, by_id):
+        return
     if restarted:
         gone = Replica.objects.filter(
             node=node, state__in=(S.LOADING, S.UNREACHABLE)
@@ -679,8 +686,19 @@ def apply_agent_report(node: Node, reported: list[dict], restarted: bool = False
                     (S.LOADING, S.UNREACHABLE),
                 )
     _readopt(node, by_id)
+    now = timezone.now()
     for r in Replica.objects.filter(node=node, state=S.READY).select_related("node", "plan"):
         seen = by_id.get(str(r.pk))
+        if seen is not None and r.missing_since:
+            Replica.objects.filter(pk=r.pk).update(missing_since=None)
+        if seen is None and not restarted:
+            # A report is a snapshot that may arrive late (a replica that became ready since
+            # is not in it): only reports that go on missing it for the grace period count.
+            if r.missing_since is None:
+                Replica.objects.filter(pk=r.pk, missing_since=None).update(missing_since=now)
+                continue
+            if now - r.missing_since < timedelta(seconds=REPORT_GRACE_SECONDS):
+                continue
         if seen is None:
             why = (
                 f"the agent on {node.name} restarted: its engines are gone"
@@ -720,6 +738,34 @@ def apply_agent_report(node: Node, reported: list[dict], restarted: bool = False
             fail_replica(
                 r, f"the rpc server of stage {node.name} ({st.endpoint}) {why}", (S.READY,)
             )
+
+
+def _as_expected(node: Node, by_id: dict[str, dict]) -> bool:
+    """The common heartbeat, answered with one query: the agent holds ready exactly the
+    replicas we route to, nothing to re-adopt, free or fail (memory figures are refreshed
+    here). False sends the report down the full comparison."""
+    rows = Replica.objects.filter(
+        node=node, state__in=(*Replica.LIVE, S.UNREACHABLE, S.STOPPING)
+    ).values_list("pk", "state", "memory_bytes", "missing_since")
+    ours = {str(pk): (state, mem) for pk, state, mem, _ in rows}
+    if any(missing for *_, missing in rows):
+        return False  # missing from an earlier report
+    for rid, (state, _) in ours.items():
+        seen = by_id.get(rid)
+        if state == S.UNREACHABLE or (
+            state == S.READY and (seen is None or seen["state"] != "ready")
+        ):
+            return False
+    wanted = {rid for rid, (state, _) in ours.items() if state != S.STOPPING}
+    if any(rid not in wanted and seen["state"] != "stopping" for rid, seen in by_id.items()):
+        return False  # an engine to free
+    if node.rpc_servers or _live_stages_on(node).exclude(endpoint="").exists():
+        return False  # rpc servers of splits: compared in full
+    for rid, (state, mem) in ours.items():
+        reported = by_id.get(rid, {}).get("memory_bytes")
+        if state == S.READY and reported and reported != mem:
+            Replica.objects.filter(pk=rid).update(memory_bytes=reported)
+    return True
 
 
 def _readopt(node: Node, by_id: dict[str, dict]) -> None:

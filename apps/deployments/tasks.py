@@ -48,12 +48,12 @@ def free_on_node(node_id: int, replica_id: str) -> None:
 @shared_task(time_limit=120, soft_time_limit=100)
 def reconcile_all() -> int:
     """Retry placement of deployments waiting for capacity, restart failed replicas whose
-    back-off is over, and finish stops."""
+    back-off is over, and finish stops. Deployments whose loads are under way (deploying) are
+    left to them: at fleet scale, hundreds deploy at once."""
     ids = list(
         Deployment.objects.filter(
             state__in=[
                 Deployment.State.PENDING,
-                Deployment.State.DEPLOYING,
                 Deployment.State.DEGRADED,
                 Deployment.State.FAILED,  # restarts that are due (policy "always")
                 Deployment.State.CRASH_LOOP,

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
+import json
 import logging
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
+from redis.exceptions import RedisError, ResponseError
 
 from apps.nodes.models import Node
-from apps.nodes.signals import node_lost, node_reported
+from apps.nodes.signals import node_lost, node_reported, nodes_alive
+from controlplane.db import bulk_update, relaxed_commit
 from controlplane.errors import Conflict, DomainError
+from controlplane.redis import client, sync_client
+from controlplane.redis import key as redis_key
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +37,9 @@ _STATE_NAMES = {
 }
 
 
-def record_heartbeat(payload: dict) -> Node:
-    """Register or refresh a node from an agent's status report (registration is the first
-    one). The payload is a NodeStatus in protobuf's JSON form, plus the agent's `address`.
-
-    Only the node's row is written under its lock; what the report means for replicas (fail,
-    re-adopt, free) runs after the commit, so a slow reaction never holds the lock.
-    """
+def _parse(payload: dict) -> tuple[str, dict, list[dict], str]:
+    """A heartbeat's node name, its Node fields, its replicas and its boot id. The payload is
+    a NodeStatus in protobuf's JSON form, plus the agent's `address`."""
     from google.protobuf.json_format import ParseDict, ParseError
     from llamafleet.agent.v1 import agent_pb2 as pb
 
@@ -77,17 +83,34 @@ def record_heartbeat(payload: dict) -> Node:
         "last_heartbeat_at": timezone.now(),
         "boot_id": status.boot_id[:64],
     }
+    return name, fields, replicas, status.boot_id
+
+
+def record_heartbeat(payload: dict, received_at=None) -> Node:
+    """Register or refresh a node from an agent's status report (registration is the first
+    one), and react to what it says about replicas.
+
+    Only the node's row is written under its lock; what the report means for replicas (fail,
+    re-adopt, free) runs after the commit, so a slow reaction never holds the lock.
+    """
+    name, fields, replicas, boot_id = _parse(payload)
+    if received_at is not None:  # buffered: it arrived then
+        fields["last_heartbeat_at"] = received_at
     with transaction.atomic():
-        previous, previous_boot = (
-            Node.objects.select_for_update()
-            .filter(name=name)
-            .values_list("last_heartbeat_at", "boot_id")
-            .first()
-        ) or (None, "")
-        node, created = Node.objects.update_or_create(name=name, defaults=fields)
-        restarted = bool(previous_boot and status.boot_id and previous_boot != status.boot_id)
+        relaxed_commit()  # the next heartbeat follows in seconds
+        node = Node.objects.select_for_update().filter(name=name).first()
+        created = node is None
         if created:
-            log.info("node %s registered at %s", name, address)
+            previous, previous_boot = None, ""
+            node = Node.objects.create(name=name, **fields)
+        else:
+            previous, previous_boot = node.last_heartbeat_at, node.boot_id
+            for k, v in fields.items():
+                setattr(node, k, v)
+            node.save(update_fields=list(fields))  # one UPDATE: the row is locked already
+        restarted = bool(previous_boot and boot_id and previous_boot != boot_id)
+        if created:
+            log.info("node %s registered at %s", name, node.address)
         elif restarted:
             log.warning("node %s: its agent restarted (new boot)", name)
         transaction.on_commit(
@@ -103,6 +126,121 @@ def record_heartbeat(payload: dict) -> Node:
     return node
 
 
+# ---- heartbeats at fleet scale ---------------------------------------------------------------
+#
+# Most heartbeats say what the one before said: the same replicas in the same states, only
+# fresher memory and load figures. Those are buffered in Redis by the web process (one
+# HSET) and written in bulk by flush_heartbeats, at the start of every sweep (FLUSH_SECONDS):
+# one UPDATE for all nodes, node-hours credited in bulk. A report that differs from the last
+# one this process recorded in full, one from a node it has not seen for FULL_EVERY seconds,
+# or any heartbeat while Redis does not answer, takes the full path at once.
+
+#: Seconds between sweeps, each of which first writes the buffered heartbeats in bulk.
+FLUSH_SECONDS = 2.0
+#: A node's report takes the full path at least this often, so that changes made on the
+#: control plane's side (a replica stopped, a node swept) meet the agent's view soon.
+FULL_EVERY = 60.0
+#: What the fast path writes: figures that change without meaning anything new.
+FAST_FIELDS = (
+    "memory_available_bytes",
+    "memory_in_use_bytes",
+    "disk_free_bytes",
+    "load_average",
+    "in_flight",
+    "reported_replicas",
+    "last_heartbeat_at",
+)
+_recorded: dict[str, tuple[str, float]] = {}  # node name -> (digest, when recorded in full)
+
+
+def _digest(fields: dict) -> str:
+    """What a report means: the node's identity and each replica's and rpc server's state,
+    not its fluctuating figures."""
+
+    meaning = {
+        k: fields[k]
+        for k in (
+            "address",
+            "version",
+            "boot_id",
+            "memory_total_bytes",
+            "cpu_cores",
+            "accelerators",
+            "rpc_servers",
+        )  # fmt: skip
+    }
+    meaning["replicas"] = sorted(
+        (r["replica_id"], r["state"], r["error"]) for r in fields["reported_replicas"]
+    )
+    return hashlib.blake2b(json.dumps(meaning, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def _buffer_key() -> str:
+
+    return redis_key("heartbeats")
+
+
+async def receive_heartbeat(payload: dict) -> dict:
+    """The heartbeat API: buffer a report that says nothing new, record the others in full."""
+
+    name, fields, _, _ = _parse(payload)
+    digest = _digest(fields)
+    seen = _recorded.get(name)
+    if seen and seen[0] == digest and time.monotonic() - seen[1] < FULL_EVERY:
+        # Parsed once, here: the flush writes these figures as they are.
+        fast = {k: fields[k] for k in FAST_FIELDS if k != "last_heartbeat_at"}
+        entry = {"at": time.time(), "fast": fast, "payload": payload}
+        try:
+            await client().hset(_buffer_key(), name, json.dumps(entry))
+            return {"node": name, "state": Node.State.READY}
+        except (RedisError, OSError) as exc:
+            log.warning("heartbeat of %s recorded directly (Redis: %s)", name, exc)
+    node = await sync_to_async(record_heartbeat)(payload)
+    if node.state == Node.State.READY:
+        _recorded[name] = (digest, time.monotonic())
+    return {"node": node.name, "state": node.state}
+
+
+def flush_heartbeats() -> int:
+    """Write the buffered heartbeats: in bulk for nodes that are ready; in full for any
+    other (a node swept meanwhile comes back through the full path). Returns how many."""
+    redis, taking = sync_client(), f"{_buffer_key()}:flushing:{uuid.uuid4().hex}"
+    try:
+        redis.rename(_buffer_key(), taking)  # what arrives from now on waits for the next
+        raw = redis.hgetall(taking)
+        redis.delete(taking)
+    except ResponseError:
+        return 0  # nothing buffered
+    except RedisError as exc:
+        log.warning("cannot flush buffered heartbeats: %s", exc)
+        return 0
+    entries = {k.decode(): json.loads(v) for k, v in raw.items()}
+    nodes = {n.name: n for n in Node.objects.filter(name__in=entries)}
+    fast, items = [], []
+    for name, entry in entries.items():
+        at = dt.datetime.fromtimestamp(entry["at"], dt.UTC)
+        node = nodes.get(name)
+        if node is not None and node.last_heartbeat_at and at <= node.last_heartbeat_at:
+            continue  # a full report came after it
+        if node is None or node.state != Node.State.READY:
+            record_heartbeat(entry["payload"], received_at=at)
+            continue
+        previous = node.last_heartbeat_at
+        for k, v in entry["fast"].items():
+            setattr(node, k, v)
+        node.last_heartbeat_at = at
+        fast.append(node)
+        items.append((node, entry["fast"]["reported_replicas"], previous, at))
+    if fast:
+        with transaction.atomic():
+            relaxed_commit()
+            bulk_update(Node, fast, FAST_FIELDS)
+        for receiver, result in nodes_alive.send_robust(sender=Node, items=items):
+            if isinstance(result, Exception):
+                log.error("%s failed on %d heartbeats: %r", receiver, len(items), result)
+    return len(entries)
+
+
 def sweep_stale_nodes() -> list[str]:
     """Mark nodes unreachable when their heartbeats stopped and they do not answer a direct
     probe either; returns their names.
@@ -111,6 +249,7 @@ def sweep_stale_nodes() -> list[str]:
     not reach us although every agent serves on. A node whose agent answers GetStatus is
     refreshed from that answer (as a heartbeat would) and keeps everything it holds.
     """
+    flush_heartbeats()  # what the web processes buffered is not silence
     cutoff = timezone.now() - timedelta(seconds=settings.HEARTBEAT_TIMEOUT_SECONDS)
     stale = list(Node.objects.filter(state=Node.State.READY, last_heartbeat_at__lt=cutoff))
     if not stale:

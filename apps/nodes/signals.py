@@ -8,3 +8,6 @@ from django.dispatch import Signal
 node_reported = Signal()
 #: A node stopped sending heartbeats: sender=Node, since=datetime of its last one.
 node_lost = Signal()
+#: Buffered heartbeats that said nothing new were written: sender=Node, items=list of
+#: (node, reported replicas, previous_heartbeat_at, this heartbeat's time).
+nodes_alive = Signal()

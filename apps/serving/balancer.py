@@ -26,6 +26,7 @@ import itertools
 import logging
 import math
 import time
+import weakref
 
 from django.conf import settings
 from redis.exceptions import RedisError
@@ -89,32 +90,34 @@ async def order(targets: list, policy: str, model: str, hashes: list[str] = ()) 
     if len(targets) < 2:
         return list(targets)
     deployment = targets[0].deployment
+    counted = policy in (LEAST_CONNECTIONS, PREFIX)
+    keys = [redis_key("rr", model)]
+    if counted:
+        keys += [_key(t.replica_id) for t in targets]
+    if policy == PREFIX and hashes:
+        keys += [_prefix_key(deployment, h) for h in hashes]
+    floor = time.time() - settings.REQUEST_TIMEOUT_SECONDS
     try:
-        pipe = _redis().pipeline(transaction=False)
-        pipe.incr(redis_key("rr", model))
-        if policy in (LEAST_CONNECTIONS, PREFIX):
-            floor = time.time() - settings.REQUEST_TIMEOUT_SECONDS
-            for t in targets:
-                pipe.zcount(_key(t.replica_id), floor, "+inf")
-        if policy == PREFIX and hashes:
-            pipe.mget([_prefix_key(deployment, h) for h in hashes])
-        turn, *rest = await pipe.execute()
+        # One command, however many replicas: a pipeline of one ZCOUNT per replica costs
+        # more in Python than the round trip itself.
+        reply = await _order_script()(keys=keys, args=[floor, len(targets) if counted else 0])
+        n = len(targets) if counted else 0
+        turn, counts, held = reply[0], reply[1 : 1 + n], reply[1 + n :]
     except (RedisError, OSError) as exc:
         log.warning("routing without Redis (%s): round-robin in this process only", exc)
         metrics.ROUTING_FALLBACKS.inc()
-        turn, rest = next(_local_counter), []
+        turn, counts, held = next(_local_counter), [], []
     k = turn % len(targets)
     rotated = targets[k:] + targets[:k]
-    if not rest:
+    if not counts:
         return rotated
-    counts, holders = rest[: len(targets)], rest[len(targets) :]
     load = {t.replica_id: c for t, c in zip(targets, counts, strict=True)}
     rotated.sort(key=lambda t: load[t.replica_id])  # stable: ties keep round-robin order
     if policy != PREFIX or not hashes:
         return rotated
     by_id = {t.replica_id: t for t in targets}
     # The replica that served the longest prefix, else the one the first block hashes to.
-    known = [h.decode() for h in (holders[0] if holders else []) if h]
+    known = [h.decode() for h in held if h]
     preferred = next((by_id[r] for r in reversed(known) if r in by_id), None)
     hit = preferred is not None
     if preferred is None:
@@ -129,6 +132,29 @@ async def order(targets: list, policy: str, model: str, hashes: list[str] = ()) 
         return rotated
     metrics.PREFIX_ROUTING.labels("hit" if hit else "hashed").inc()
     return [preferred] + [t for t in rotated if t is not preferred]
+
+
+#: KEYS: the round-robin counter, then N in-flight sets, then prefix keys; ARGV: the floor of
+#: live entries, N. Returns the counter, N counts, then the prefix holders (nil if unknown).
+_ORDER_SCRIPT = """
+local n = tonumber(ARGV[2])
+local out = {redis.call('INCR', KEYS[1])}
+for i = 2, n + 1 do out[#out + 1] = redis.call('ZCOUNT', KEYS[i], ARGV[1], '+inf') end
+for i = n + 2, #KEYS do out[#out + 1] = redis.call('GET', KEYS[i]) end
+return out
+"""
+
+
+_scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _order_script():
+    """The script registered with the running loop's client (EVALSHA, loaded on first use)."""
+    client = _redis()
+    script = _scripts.get(client)
+    if script is None:
+        script = _scripts[client] = client.register_script(_ORDER_SCRIPT)
+    return script
 
 
 def remember(deployment: str, hashes: list[str], replica_id: str) -> None:

@@ -3,8 +3,8 @@
 from django.dispatch import receiver
 from django.utils import timezone
 
-from apps.nodes.signals import node_reported
-from apps.usage.services import account_heartbeat
+from apps.nodes.signals import node_reported, nodes_alive
+from apps.usage.services import account_heartbeat, account_heartbeats
 
 
 @receiver(node_reported)
@@ -12,3 +12,8 @@ def _on_node_reported(sender, node, reported, previous_heartbeat_at=None, **kwar
     account_heartbeat(
         node, reported, previous_heartbeat_at, node.last_heartbeat_at or timezone.now()
     )
+
+
+@receiver(nodes_alive)
+def _on_nodes_alive(sender, items, **kwargs):
+    account_heartbeats(items)

@@ -12,5 +12,10 @@ class HasNodeToken(BasePermission):
     message = "A valid node token is required."
 
     def has_permission(self, request, view):
-        given = bearer_from_header(request.META.get("HTTP_AUTHORIZATION", ""))
-        return bool(given) and hmac.compare_digest(given.encode(), settings.NODE_TOKEN.encode())
+        return node_token_ok(request.META.get("HTTP_AUTHORIZATION", ""))
+
+
+def node_token_ok(authorization: str) -> bool:
+    """Whether an Authorization header carries the node token."""
+    given = bearer_from_header(authorization)
+    return bool(given) and hmac.compare_digest(given.encode(), settings.NODE_TOKEN.encode())

@@ -1,10 +1,10 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from apps.nodes.api.views import AgentHeartbeatView, NodeViewSet
+from apps.nodes.api.views import NodeViewSet, agent_heartbeat
 
 router = SimpleRouter()
 router.register("nodes", NodeViewSet)
 urlpatterns = router.urls + [
-    path("agent/heartbeat", AgentHeartbeatView.as_view(), name="agent-heartbeat"),
+    path("agent/heartbeat", agent_heartbeat, name="agent-heartbeat"),
 ]

@@ -1,14 +1,20 @@
-from drf_spectacular.utils import OpenApiResponse, extend_schema
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from apps.accounts.permissions import IsOperator
 from apps.nodes import services
-from apps.nodes.api.permissions import HasNodeToken
+from apps.nodes.api.permissions import HasNodeToken, node_token_ok
 from apps.nodes.api.serializers import NodeLinkSerializer, NodePriceSerializer, NodeSerializer
 from apps.nodes.models import Node, NodeLink
+from controlplane import strictjson
+from controlplane.errors import DomainError
 
 
 class NodeViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
@@ -67,13 +73,70 @@ class NodeViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
         return Response(NodeSerializer(node).data)
 
 
-class AgentHeartbeatView(APIView):
-    """Agents register and report here (node token, not an API key)."""
+async def handle_heartbeat(authorization: str, body: bytes) -> tuple[int, dict]:
+    """(status, JSON body) for an agent's report; the view and the ASGI lane share it."""
+    if not node_token_ok(authorization):
+        return 403, {"detail": HasNodeToken.message}
+    try:
+        payload = strictjson.loads(body or b"null")
+    except strictjson.JSONError as exc:
+        return 400, {"detail": f"the body is {exc}"}
+    if not isinstance(payload, dict):
+        return 400, {"detail": "the body must be a JSON object (a NodeStatus)"}
+    try:
+        return 200, await services.receive_heartbeat(payload)
+    except DomainError as exc:
+        return exc.status, {"detail": exc.message}
 
-    authentication_classes = []
-    permission_classes = [HasNodeToken]
 
-    @extend_schema(request=dict, responses={200: OpenApiResponse(description="recorded")})
-    def post(self, request):
-        node = services.record_heartbeat(request.data)
-        return Response({"node": node.name, "state": node.state})
+@csrf_exempt  # the node token, never a cookie
+@require_POST
+async def agent_heartbeat(request):
+    """Agents register and report here (node token, not an API key). In production the web
+    process answers this path before Django's middleware (controlplane/asgi.py): a thousand
+    nodes report every few seconds, and most reports only need buffering."""
+    try:
+        body = request.body
+    except RequestDataTooBig:
+        return JsonResponse({"detail": "the body is too large"}, status=413)
+    status, data = await handle_heartbeat(request.headers.get("Authorization", ""), body)
+    return JsonResponse(data, status=status)
+
+
+async def heartbeat_lane(scope, receive, send) -> None:
+    """The heartbeat path as a bare ASGI app: no middleware (none applies to agents: no
+    session, cookie, CSRF or static file), so no thread hop per report."""
+    import json
+
+    if scope["method"] != "POST":
+        status, data = 405, {"detail": "POST only"}
+    else:
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size <= settings.DATA_UPLOAD_MAX_MEMORY_SIZE:
+                chunks.append(chunk)
+            more = message.get("more_body", False)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if size > settings.DATA_UPLOAD_MAX_MEMORY_SIZE:
+            status, data = 413, {"detail": "the body is too large"}
+        else:
+            status, data = await handle_heartbeat(
+                headers.get("authorization", ""), b"".join(chunks)
+            )
+    body = json.dumps(data).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -302,8 +302,10 @@ def test_two_copies_of_a_split_on_separate_nodes_and_a_stream_moves_between_them
     [kept] = d.replica_set.exclude(state="stopped")
     kept_nodes = {s.node_name for s in kept.plan.stages.all()}
     wait_for(
-        lambda: {n for n, a in four_nodes.items() if a.agent.service.replicas}
-        | {n for n, a in four_nodes.items() if a.agent.service.rpc_servers}
-        <= kept_nodes,
+        lambda: (
+            {n for n, a in four_nodes.items() if a.agent.service.replicas}
+            | {n for n, a in four_nodes.items() if a.agent.service.rpc_servers}
+            <= kept_nodes
+        ),
         60,
     )
