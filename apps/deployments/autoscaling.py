@@ -92,7 +92,8 @@ def check_policy(d: Deployment, values: dict) -> dict:
     return v
 
 
-FIELDS = {
+#: A policy's settings, in the order the API shows them.
+FIELDS = (
     "mode",
     "min_replicas",
     "max_replicas",
@@ -101,7 +102,7 @@ FIELDS = {
     "window_seconds",
     "scale_down_delay_seconds",
     "cooldown_seconds",
-}
+)
 
 
 def do_set_policy(d: Deployment, values: dict) -> ScalingPolicy:

@@ -1,5 +1,6 @@
 from rest_framework import serializers
 
+from apps.deployments import autoscaling
 from apps.deployments.models import (
     Deployment,
     DeploymentEvent,
@@ -99,19 +100,7 @@ class AutoscalingSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = ScalingPolicy
-        fields = [
-            "mode",
-            "min_replicas",
-            "max_replicas",
-            "metric",
-            "target",
-            "window_seconds",
-            "scale_down_delay_seconds",
-            "cooldown_seconds",
-            "last_scaled_at",
-            "last_desired",
-            "last_reason",
-        ]
+        fields = [*autoscaling.FIELDS, "last_scaled_at", "last_desired", "last_reason"]
         read_only_fields = ["last_scaled_at", "last_desired", "last_reason"]
         extra_kwargs = {
             "min_replicas": {"max_value": Deployment.MAX_REPLICAS},
