@@ -54,11 +54,24 @@ def _samples_key(deployment_id: int) -> str:
 # ---- settings ------------------------------------------------------------------------------
 
 
+#: A policy's settings, in the order the API shows them.
+FIELDS = (
+    "mode",
+    "min_replicas",
+    "max_replicas",
+    "metric",
+    "target",
+    "window_seconds",
+    "scale_down_delay_seconds",
+    "cooldown_seconds",
+)
+
+
 def check_policy(d: Deployment, values: dict) -> dict:
     """Validate a policy's fields (merged over the current ones); returns them cleaned."""
     if d.split_mode in (Deployment.SplitMode.LAYER, Deployment.SplitMode.TENSOR):
         raise Conflict(f"{d.name} is split over several nodes and runs one copy: not autoscaled")
-    unknown = set(values) - FIELDS
+    unknown = set(values) - set(FIELDS)
     if unknown:
         raise DomainError(f"unknown autoscaling field(s): {', '.join(sorted(unknown))}")
     v = dict(values)
@@ -90,19 +103,6 @@ def check_policy(d: Deployment, values: dict) -> dict:
     if v.get("window_seconds", TICK_SECONDS) < TICK_SECONDS:
         raise DomainError(f"window_seconds must be at least {TICK_SECONDS:.0f} (one sample)")
     return v
-
-
-#: A policy's settings, in the order the API shows them.
-FIELDS = (
-    "mode",
-    "min_replicas",
-    "max_replicas",
-    "metric",
-    "target",
-    "window_seconds",
-    "scale_down_delay_seconds",
-    "cooldown_seconds",
-)
 
 
 def do_set_policy(d: Deployment, values: dict) -> ScalingPolicy:
