@@ -126,10 +126,10 @@ def test_web_probes_point_at_real_endpoints(minimal, client):
 
 
 @pytest.mark.django_db
-def test_readiness_fails_when_redis_is_down(client, settings, monkeypatch):
+def test_readiness_fails_when_redis_is_down(client, settings):
     from controlplane import redis as cp_redis
 
-    monkeypatch.setattr(settings, "REDIS_URL", "redis://127.0.0.1:1/0")
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # the fixture puts it back
     cp_redis._clients.clear()
     response = client.get("/readyz")
     cp_redis._clients.clear()
