@@ -110,9 +110,10 @@ async def _serve(request, model: type, shape: str) -> HttpResponse:
         body = schemas.parse(model, _parse_json(request))
         params, stream, include_usage = body.generation(), body.stream, body.include_usage
         events = generate(params, caller, "chat" if shape == "chat" else "completion")
-        routed = asyncio.ensure_future(anext(events))
         if stream:
-            # Routed within a moment as a rule; a model scaled to zero takes longer.
+            # Routed within a moment as a rule; a model scaled to zero takes longer, and the
+            # stream then starts with keep-alive comments (a task only where that can happen).
+            routed = asyncio.ensure_future(anext(events))
             try:
                 await asyncio.wait([routed], timeout=KEEPALIVE_SECONDS)
             except asyncio.CancelledError:
@@ -122,7 +123,9 @@ async def _serve(request, model: type, shape: str) -> HttpResponse:
                 return _sse_response(
                     _stream_after_start(routed, events, params, shape, include_usage)
                 )
-        gen = await routed  # routed: errors so far still get a status code
+            gen = routed.result()
+        else:
+            gen = await anext(events)  # routed: errors so far still get a status code
     except ServingError as err:
         return error_response(err)
     if stream:
