@@ -218,6 +218,7 @@ CELERY_TASK_ROUTES = {
     "apps.deployments.tasks.autoscale": {"queue": "liveness"},
     "apps.deployments.tasks.expire_load_leases": {"queue": "liveness"},
     "apps.catalog.tasks.expire_job_leases": {"queue": "liveness"},
+    "apps.console.tasks.record_series": {"queue": "liveness"},
     "apps.catalog.tasks.*": {"queue": "jobs"},
     "apps.deployments.tasks.*": {"queue": "control"},
     "apps.nodes.tasks.*": {"queue": "control"},

@@ -11,6 +11,7 @@ from apps.catalog.api.serializers import CatalogModelSerializer, QuantizeJobSeri
 from apps.catalog.models import CatalogModel, QuantizeJob
 from apps.deployments.api.serializers import DeploymentSerializer
 from apps.deployments.models import Deployment
+from apps.deployments.placement import link_rows
 from apps.nodes.api.serializers import NodeSerializer
 from apps.nodes.models import Node
 from apps.usage.models import UsageRecord
@@ -61,7 +62,9 @@ def snapshot() -> dict:
         d["figures"] = figures.get(d["name"])
         # A split runs one file: every stage holds tensors of this one quantization.
         d["quantization"] = quantization_of.get(d["model"], "")
+    in_plans = {s["node"] for d in deployments if d["plan"] for s in d["plan"].get("stages", ())}
     return {
+        "links": link_rows(in_plans),
         "nodes": NodeSerializer(Node.objects.all(), many=True).data,
         "models": models,
         "quantizations": quantizations,

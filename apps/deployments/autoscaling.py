@@ -253,8 +253,18 @@ def decide(
     return None
 
 
-def measure(d: Deployment) -> tuple[float, int]:
-    """(requests in flight on the deployment's replicas plus those waiting, ready replicas)."""
+@dataclass(frozen=True)
+class Load:
+    """A deployment's load now: requests on its ready replicas (streaming or queued in an
+    engine), requests held waiting for a first replica, and its ready replicas."""
+
+    in_flight: int
+    waiting: int
+    ready: int
+
+
+def load(d: Deployment) -> Load:
+    """Read from the routing counters in Redis, raised to the agents' last reports."""
     from apps.nodes.models import Node
 
     live = list(
@@ -281,7 +291,13 @@ def measure(d: Deployment) -> tuple[float, int]:
     in_flight = sum(
         max(c, reported.get(str(pk), 0)) for (pk, _), c in zip(live, counted, strict=True)
     )
-    return float(in_flight + waiting), len(live)
+    return Load(in_flight=in_flight, waiting=int(waiting), ready=len(live))
+
+
+def measure(d: Deployment) -> tuple[float, int]:
+    """(requests in flight on the deployment's replicas plus those waiting, ready replicas)."""
+    now = load(d)
+    return float(now.in_flight + now.waiting), now.ready
 
 
 def _history(d: Deployment, p: ScalingPolicy, sample: Sample) -> list[Sample]:

@@ -164,3 +164,49 @@ def free_rpc_port(node: Node) -> int:
     while port in used:
         port += 1
     return port
+
+
+#: Nodes drawn beside a refused plan: the roomiest ready ones (where the memory was short).
+DRAWN_FOR_REFUSAL = 12
+
+
+def drawing(plan: dict) -> dict:
+    """What a picture of a plan needs besides the plan: each node's memory (free for new work
+    as the planner counts it, and in all) and the measured links between its nodes, slow
+    ones marked. A refused plan gets the roomiest ready nodes, to show what was missing."""
+    nodes, links = cluster()
+    names = {s["node"] for p in (plan, *plan.get("copies", ())) for s in p["stages"]}
+    if not names:
+        ready = [n for n in nodes if n.ready and not n.draining]
+        ready.sort(key=lambda n: -P.room_of(n))
+        names = {n.name for n in ready[:DRAWN_FOR_REFUSAL]}
+    total = dict(Node.objects.filter(name__in=names).values_list("name", "memory_total_bytes"))
+    return {
+        "nodes": [
+            {
+                "name": n.name,
+                "free_bytes": max(P.room_of(n), 0),
+                "memory_total_bytes": total.get(n.name, 0),
+                "ready": n.ready and not n.draining,
+            }
+            for n in nodes
+            if n.name in names
+        ],
+        "links": link_rows(names, links),
+    }
+
+
+def link_rows(names: set[str], links: dict | None = None) -> list[dict]:
+    """Measured links between the named nodes, as the console draws them."""
+    if links is None:
+        links = {
+            (src, dst): P.Link(rtt, mbit)
+            for src, dst, rtt, mbit in NodeLink.objects.filter(
+                rtt_ms__isnull=False, source__name__in=names, target__name__in=names
+            ).values_list("source__name", "target__name", "rtt_ms", "mbit_s")
+        }
+    return [
+        {"source": a, "target": b, "rtt_ms": lk.rtt_ms, "mbit_s": lk.mbit_s, "slow": P.is_slow(lk)}
+        for (a, b), lk in sorted(links.items())
+        if a in names and b in names
+    ]

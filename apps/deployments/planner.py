@@ -277,30 +277,31 @@ def plan(
     if not usable:
         return Plan("refused", error="no node is ready and open (none registered, or all draining)")
     whole = replica_stage(m, r).total_bytes
-    fits = [n for n in usable if _room(n) >= whole]
+    fits = [n for n in usable if room_of(n) >= whole]
     # A split is what the user forced, or what pinning several nodes of a split asks for.
     wants_split = r.split_mode in ("layer", "tensor") and (len(usable) > 1 or not fits)
     if r.split_mode in ("auto", "none") or not wants_split:
         if fits:
             return _replicas(m, r, fits, whole)
         if r.split_mode == "none" or len(usable) == 1:
-            best = max(usable, key=_room)
+            best = max(usable, key=room_of)
             return Plan(
                 "refused",
                 needed_bytes=whole,
                 error=f"needs {gib(whole)} on one node; the node with the most free memory "
-                f"({best.name}) has {gib(max(_room(best), 0))}",
+                f"({best.name}) has {gib(max(room_of(best), 0))}",
             )
     return _split(m, r, usable, links, "tensor" if r.split_mode == "tensor" else "layer", whole)
 
 
-def _room(n: NodeState) -> int:
+def room_of(n: NodeState) -> int:
+    """Memory a node has for new work: free host memory plus its accelerators'."""
     return n.free_bytes + sum(n.accelerator_bytes)
 
 
 def _replicas(m: ModelFacts, r: Request, fits: list[NodeState], whole: int) -> Plan:
     """Spread replicas over the nodes that hold a whole copy."""
-    free = {n.name: _room(n) for n in fits}
+    free = {n.name: room_of(n) for n in fits}
     held = {n.name: n.holds for n in fits}
     stages: list[Stage] = []
     for _ in range(r.replicas):
@@ -399,7 +400,7 @@ def _split(m, r, usable, links, mode, whole) -> Plan:
     if r.pin_nodes:
         sizes, candidates = [len(usable)], usable
     else:
-        candidates = sorted(usable, key=lambda n: -_room(n))[: max(r.max_nodes, least)]
+        candidates = sorted(usable, key=lambda n: -room_of(n))[: max(r.max_nodes, least)]
         sizes = range(least, len(candidates) + 1)
     for k in sizes:
         for chosen in [candidates] if r.pin_nodes else _sets(candidates, k, links):
@@ -407,12 +408,12 @@ def _split(m, r, usable, links, mode, whole) -> Plan:
             # The last stage computes the logits and holds the output: the most room (pinned
             # nodes keep the order they were given).
             stages = _assign(
-                m, r, [head, *(rest if r.pin_nodes else sorted(rest, key=_room))], mode
+                m, r, [head, *(rest if r.pin_nodes else sorted(rest, key=room_of))], mode
             )
             if stages is not None:
                 return _split_plan(m, r, stages, links, mode, whole)
     chosen = candidates
-    have = sum(max(_room(n), 0) for n in chosen)
+    have = sum(max(room_of(n), 0) for n in chosen)
     need = _split_total(m, r, len(chosen), mode) if len(chosen) > 1 else whole
     return Plan(
         "refused",
@@ -432,7 +433,7 @@ def _sets(candidates: list[NodeState], k: int, links) -> list[list[NodeState]]:
         top = candidates[:64]
         for h in top:
             others = sorted(
-                (n for n in top if n is not h), key=lambda n: (_slowness(links, h, n), -_room(n))
+                (n for n in top if n is not h), key=lambda n: (_slowness(links, h, n), -room_of(n))
             )
             others = others[: k - 1]
             if len(others) == k - 1 and all(_slowness(links, h, o) < 2 for o in others):
@@ -443,7 +444,7 @@ def _sets(candidates: list[NodeState], k: int, links) -> list[list[NodeState]]:
         found = (_link(links, n.name, o.name) for o in roomiest if o is not n)
         return max((lk.rtt_ms for lk in found if lk), default=0.0)
 
-    head = min(roomiest, key=lambda n: (worst(n), -_room(n)))
+    head = min(roomiest, key=lambda n: (worst(n), -room_of(n)))
     out.append([head, *(n for n in roomiest if n is not head)])
     return out
 
@@ -453,10 +454,11 @@ def _slowness(links, a: NodeState, b: NodeState) -> int:
     lk = _link(links, a.name, b.name)
     if lk is None:
         return 1
-    return 2 if _slow(lk) else 0
+    return 2 if is_slow(lk) else 0
 
 
-def _slow(lk: Link) -> bool:
+def is_slow(lk: Link) -> bool:
+    """A link a split should avoid (warned about, drawn marked in the console)."""
     return lk.rtt_ms > SLOW_RTT_MS or lk.mbit_s < THIN_MBIT
 
 
@@ -491,7 +493,7 @@ def _assign(m, r, ordered: list[NodeState], mode: str) -> list[Stage] | None:
     """Each node's part, in proportion to its room after fixed costs; None if it does not
     fit. Layer mode: contiguous ranges, head first (it may hold none), every stage >= 1."""
     k = len(ordered)
-    room = [_room(n) - f for n, f in zip(ordered, _fixed(m, r, k, mode), strict=True)]
+    room = [room_of(n) - f for n, f in zip(ordered, _fixed(m, r, k, mode), strict=True)]
     if min(room[1:]) <= 0 or room[0] < 0:
         return None
     per_layer = [b + kv_bytes(m, r, 1) for b in m.bytes_per_layer]
@@ -517,7 +519,7 @@ def _assign(m, r, ordered: list[NodeState], mode: str) -> list[Stage] | None:
         s.node = n.name
         if mode == "layer":
             s.n_gpu_layers = _gpu_layers(m, r, n, s.layer_start, s.layer_end)
-        if s.total_bytes > _room(n):
+        if s.total_bytes > room_of(n):
             return None
     return stages
 
@@ -594,7 +596,7 @@ def _split_plan(m, r, stages: list[Stage], links, mode: str, whole: int) -> Plan
         lk = _link(links, head.node, s.node)
         if lk is None:
             p.warnings.append(f"link {head.node} <-> {s.node} not measured yet")
-        elif _slow(lk):
+        elif is_slow(lk):
             p.warnings.append(
                 f"slow link {head.node} <-> {s.node}: {lk.rtt_ms:.2f} ms round trip, "
                 f"{lk.mbit_s:.0f} Mbit/s, and every token crosses it"

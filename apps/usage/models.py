@@ -34,6 +34,9 @@ class UsageRecord(models.Model):
     outcome = models.CharField(max_length=16, choices=Outcome.choices)
     error_code = models.CharField(max_length=64, blank=True)
     started_at = models.DateTimeField(db_index=True)
+    finished_at = models.DateTimeField(
+        null=True, blank=True, db_index=True, help_text="When the request ended (live charts)."
+    )
 
     class Meta:
         ordering = ["-started_at"]

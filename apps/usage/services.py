@@ -113,6 +113,7 @@ def record(u: Usage) -> UsageRecord:
                 outcome=u.outcome,
                 error_code=u.error_code[:64],
                 started_at=datetime.fromtimestamp(u.started, UTC),
+                finished_at=datetime.fromtimestamp(u.started + u.duration, UTC),
             )
     except IntegrityError:
         return UsageRecord.objects.get(request_id=u.request_id)
@@ -617,3 +618,44 @@ def report_csv(report: Report) -> str:
     for row in d["by_key"]:
         w.writerow({"section": "key", "name": f"{row['app']} (key {row['api_key_id']})"} | row)
     return out.getvalue()
+
+
+# ---- applications at a glance ----------------------------------------------------------------
+
+
+def usage_by_key(hours: int = 24, now: datetime | None = None) -> dict:
+    """Tokens and requests per API key for each of the last `hours` whole hours up to now
+    (the current hour last): the operators' view of every application. Requests made
+    without a key (the console) are under key None."""
+    now = now or datetime.now(UTC)
+    first = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=hours - 1)
+    slots = [first + timedelta(hours=i) for i in range(hours)]
+    index = {at: i for i, at in enumerate(slots)}
+    rows = (
+        UsageRecord.objects.filter(started_at__gte=first)
+        .annotate(at=TruncHour("started_at", tzinfo=UTC))
+        .values("api_key", "app", "user__username", "at")
+        .annotate(n=Count("id"), tokens=Sum(F("prompt_tokens") + F("completion_tokens")))
+    )
+    keys: dict = {}
+    for r in rows:
+        k = keys.setdefault(
+            r["api_key"],
+            {
+                "api_key": r["api_key"],
+                "app": r["app"],
+                "owner": r["user__username"] or "",
+                "tokens": [0] * hours,
+                "requests": [0] * hours,
+            },
+        )
+        i = index.get(r["at"])
+        if i is not None:
+            k["tokens"][i] += int(r["tokens"] or 0)
+            k["requests"][i] += r["n"]
+    for k in keys.values():
+        k["total_tokens"], k["total_requests"] = sum(k["tokens"]), sum(k["requests"])
+    return {
+        "hours": [at.isoformat() for at in slots],
+        "keys": sorted(keys.values(), key=lambda k: -k["total_tokens"]),
+    }

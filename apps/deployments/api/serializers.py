@@ -86,6 +86,15 @@ class PlanPreviewSerializer(serializers.Serializer):
         child=serializers.DictField(),
         help_text="Further copies of a split with several replicas, each in this same shape.",
     )
+    nodes = serializers.ListField(
+        child=serializers.DictField(),
+        help_text="For drawing: the plan's nodes (a refusal: the roomiest ready ones) with "
+        "name, free_bytes (for new work), memory_total_bytes and ready.",
+    )
+    links = serializers.ListField(
+        child=serializers.DictField(),
+        help_text="Measured links between those nodes: source, target, rtt_ms, mbit_s, slow.",
+    )
 
 
 class EventSerializer(serializers.ModelSerializer):

@@ -73,7 +73,8 @@ class DeploymentViewSet(
         plan = placement.preview(
             model, context_length, parallel, v["replicas"], v["split_mode"], v["pin_nodes"]
         )
-        return Response(plan.as_dict())
+        shown = plan.as_dict()
+        return Response(shown | placement.drawing(shown))
 
     @extend_schema(responses=ShardPlanSerializer(many=True))
     @action(detail=True, methods=["get"])

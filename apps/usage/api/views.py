@@ -56,6 +56,19 @@ class UsageViewSet(viewsets.ReadOnlyModelViewSet):
     def list(self, request, *args, **kwargs):
         return super().list(request, *args, **kwargs)
 
+    @extend_schema(
+        parameters=[OpenApiParameter("hours", int, description="1 to 168; 24 by default")],
+        responses={200: OpenApiTypes.OBJECT},
+    )
+    @action(detail=False, methods=["get"], url_path="by-key", permission_classes=[IsOperator])
+    def by_key(self, request):
+        """Operators: tokens and requests per API key for each of the last hours (the
+        current one last), for every application at a glance."""
+        raw = request.query_params.get("hours", "24")
+        if not raw.isdigit() or not 1 <= int(raw) <= 168:
+            raise ValidationError({"hours": "must be a whole number from 1 to 168"})
+        return Response(services.usage_by_key(int(raw)))
+
 
 class ReportViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Cost reports (operators). Daily and weekly ones come from the beat schedule; POST

@@ -30,8 +30,10 @@ async def test_staff_get_snapshots_that_follow_the_fleet(alice, async_client):
     comm, connected, _ = await connect(async_client)
     assert connected
     first = await comm.receive_json_from(timeout=10)
-    assert set(first) == {"nodes", "models", "quantizations", "deployments"}
+    assert set(first) == {"nodes", "models", "quantizations", "deployments", "links"}
     assert first["nodes"] == []
+    hour = await comm.receive_json_from(timeout=10)  # then the charts' last hour
+    assert hour["reset"] is True and isinstance(hour["series"], list) and hour["step"] == 10
     await sync_to_async(Node.objects.create)(name="n1", address="10.0.0.1:1")
     second = await comm.receive_json_from(timeout=10)  # sent because something changed
     assert [n["name"] for n in second["nodes"]] == ["n1"]

@@ -139,3 +139,28 @@ def test_the_deploy_command_prints_a_plan_and_deploys_nothing(smollm2_model, sma
     assert not Deployment.objects.exists()
     with pytest.raises(CommandError, match="needs .* on one node"):
         call_command("deploy", smollm2_model.name, "--plan", "--split-mode", "none", stdout=out)
+
+
+def test_preview_carries_what_its_picture_needs(ops, smollm2_model, small_nodes):
+    """The console draws a plan against each node's memory and the links between its nodes;
+    a refusal is drawn against the roomiest ready nodes."""
+    from django.utils import timezone
+
+    from apps.nodes.models import NodeLink
+
+    n0, n1, n2 = small_nodes
+    now = timezone.now()
+    NodeLink.objects.create(source=n0, target=n1, rtt_ms=0.4, mbit_s=9000, measured_at=now)
+    NodeLink.objects.create(source=n0, target=n2, rtt_ms=7.5, mbit_s=90, measured_at=now)
+    plan = preview(ops, split_mode="layer", pin_nodes=["n0", "n1", "n2"])
+    assert [n["name"] for n in plan["nodes"]] == ["n0", "n1", "n2"]
+    assert all(n["free_bytes"] == int(0.35 * GiB) for n in plan["nodes"])
+    assert all(n["memory_total_bytes"] == 64 * GiB for n in plan["nodes"])
+    links = {(lk["source"], lk["target"]): lk for lk in plan["links"]}
+    assert links[("n0", "n1")]["slow"] is False and links[("n0", "n1")]["rtt_ms"] == 0.4
+    assert links[("n0", "n2")]["slow"] is True  # 7.5 ms, 90 Mbit/s: marked in the picture
+    node("tiny", 0.05)
+    refused = preview(ops, split_mode="none")
+    assert refused["kind"] == "refused" and refused["needed_bytes"] > 0.35 * GiB
+    assert {n["name"] for n in refused["nodes"]} == {"n0", "n1", "n2", "tiny"}
+    assert refused["links"] != [] and refused["stages"] == []

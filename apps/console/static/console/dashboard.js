@@ -21,28 +21,43 @@
     return seconds < 60 ? `${Math.round(seconds)} s ago` : `${Math.round(seconds / 60)} min ago`;
   }
 
-  // A plan as the planner stored it: which node holds which layers, and why.
-  function planView(plan, withReasons = false) {
+  // A plan drawn (LFPlans), with the planner's words under it: its warnings, and on request
+  // its reasons. A split with several copies draws each copy.
+  function planView(plan, { nodes = [], links = [], placed = false, height = 190, withReasons = false } = {}) {
     if (!plan) return "";
     const box = el("div", { class: "plan", "data-plan-kind": plan.kind });
-    if (plan.kind === "split") {
-      const tensor = plan.split_mode === "tensor";
-      box.append(el("div", { class: "hint" }, `${plan.split_mode} split over ${plan.stages.length} nodes, ${bytes(plan.needed_bytes)} in all`));
-      box.append(el("div", { class: "strip" }, plan.stages.map((s, i) => {
-        const layers = s.layer_end - s.layer_start;
-        const what = tensor ? (s.role === "head" ? "embeddings" : "slice of every layer") : layers ? `layers ${s.layer_start}–${s.layer_end - 1}` : "embeddings";
-        return el("span", { class: `seg seg${i % 6}`, style: `flex:${tensor ? 1 : Math.max(layers, 1)}`,
-          title: `${s.role} ${s.node}: ${what}; weights ${bytes(s.weights_bytes)}, KV ${bytes(s.kv_bytes)}, compute ${bytes(s.compute_bytes)}, total ${bytes(s.total_bytes)}${s.endpoint ? ", rpc " + s.endpoint : ""}` },
-          `${s.role} ${s.node}`, el("small", {}, `${what} · ${bytes(s.total_bytes)}`));
-      })));
-    } else if (plan.kind === "replicas") {
-      box.append(el("div", { class: "hint" }, `replicas on ${plan.stages.map((s) => s.node).join(", ")}, ${bytes(plan.needed_bytes)} each`));
-    } else {
-      box.append(el("div", { class: "hint error" }, `refused: ${plan.error}`));
+    if (plan.kind === "refused") box.append(el("div", { class: "hint error" }, `refused: ${plan.error}`));
+    else box.append(el("div", { class: "hint" }, plan.kind === "split"
+      ? `${plan.split_mode} split over ${plan.stages.length} nodes, ${bytes(plan.needed_bytes)} in all`
+      : `replicas on ${plan.stages.map((s) => s.node).join(", ")}, ${bytes(plan.needed_bytes)} each`));
+    for (const [i, p] of [plan, ...(plan.copies || [])].entries()) {
+      if (plan.copies && plan.copies.length) box.append(el("div", { class: "hint" }, `copy ${i + 1}`));
+      box.append(LFPlans.picture(p, nodes, links, { placed, height }));
     }
     for (const w of plan.warnings || []) box.append(el("div", { class: "hint warning" }, w));
     if (withReasons) box.append(el("ul", { class: "reasons" }, (plan.reasons || []).map((r) => el("li", {}, r))));
     return box;
+  }
+
+  // A node's memory, stacked: what each deployment's engines hold (their colours on the
+  // charts), what else is in use, and what is free.
+  function memoryBar(n, deploymentOf) {
+    const total = n.memory_total_bytes || 0;
+    const held = {};
+    for (const r of n.reported_replicas || []) {
+      const name = deploymentOf[r.replica_id] || r.model_name;
+      held[name] = (held[name] || 0) + (r.memory_bytes || 0);
+    }
+    const used = total - n.memory_available_bytes;
+    const others = Math.max(used - Object.values(held).reduce((a, b) => a + b, 0), 0);
+    const pct = (b) => (total ? (100 * b) / total : 0);
+    const parts = Object.entries(held).map(([name, b]) => el("span", {
+      class: "part", style: `width:${pct(b)}%;background:${LFCharts.colour(name)}`, "data-deployment": name,
+      title: `${name}: ${bytes(b)}` }));
+    parts.push(el("span", { class: "part others", style: `width:${pct(others)}%`, title: `other processes: ${bytes(others)}` }));
+    return el("div", { class: "memory" },
+      el("div", { class: "stacked", role: "img", "aria-label": `${n.name}: ${bytes(used)} of ${bytes(total)} in use` }, parts),
+      el("div", { class: "hint" }, [...Object.entries(held).map(([name, b]) => `${name} ${bytes(b)}`), `other ${bytes(others)}`, `free ${bytes(n.memory_available_bytes)}`].join(" · ")));
   }
 
   // Each model, then the variants made from it (indented), so a family reads together.
@@ -105,12 +120,13 @@
   }
 
   function render(snap) {
+    const deploymentOf = {};
+    for (const d of snap.deployments) for (const r of d.replica_set) deploymentOf[r.id] = d.name;
     fill("nodes", snap.nodes.map((n) => el("tr", { "data-node": n.name },
       el("td", {}, n.name, el("div", { class: "hint" }, n.address)),
       el("td", { class: "state " + n.state }, n.draining ? `${n.state}, draining` : n.state),
       el("td", {}, age(n.heartbeat_age_seconds)),
-      el("td", {}, bar(n.memory_total_bytes - n.memory_available_bytes, n.memory_total_bytes,
-        `${bytes(n.memory_total_bytes - n.memory_available_bytes)} of ${bytes(n.memory_total_bytes)}`)),
+      el("td", {}, memoryBar(n, deploymentOf)),
       el("td", {}, bar(n.load_average, n.cpu_cores, `load ${n.load_average.toFixed(2)} of ${n.cpu_cores} cores`),
         n.accelerators.length ? el("div", { class: "hint" }, n.accelerators.join(", ")) : ""),
       el("td", {}, String(n.in_flight)),
@@ -133,7 +149,7 @@
       const figures = f ? `${f.requests} req, ${f.tokens_per_s ? f.tokens_per_s.toFixed(1) : "–"} tok/s, first token ${f.ttft_ms ? Math.round(f.ttft_ms) : "–"} ms` : "no traffic";
       const scale = el("input", { type: "number", min: "1", max: "64", value: String(d.replicas), class: "tiny", "aria-label": `replicas of ${d.name}` });
       return el("tr", { "data-deployment": d.name },
-        el("td", {}, d.name, d.error ? el("div", { class: "hint error" }, d.error) : "", planView(d.plan)),
+        el("td", {}, d.name, d.error ? el("div", { class: "hint error" }, d.error) : "", planView(d.plan, { nodes: snap.nodes, links: snap.links || [], placed: true, height: 110 })),
         el("td", {}, d.model, d.quantization ? el("div", { class: "hint" }, d.plan && d.plan.kind === "split" ? `${d.quantization} on every stage` : d.quantization) : ""),
         el("td", { class: "state " + d.state }, d.state.replace("_", " "),
           d.restarts ? el("div", { class: "hint" }, `${d.restarts} restart(s)${d.next_restart_at ? ", next " + new Date(d.next_restart_at).toLocaleTimeString() : ""}`) : ""),
@@ -150,18 +166,53 @@
   function connect() {
     const ws = socket("/ws/v1/console");
     ws.onopen = () => { live.textContent = "Live"; live.dataset.state = "live"; };
-    ws.onmessage = (e) => { render(JSON.parse(e.data)); live.textContent = `Live · updated ${new Date().toLocaleTimeString()}`; document.body.dataset.snapshots = String(Number(document.body.dataset.snapshots || 0) + 1); };
+    ws.onmessage = (e) => {
+      const data = JSON.parse(e.data);
+      if (data.series) { LFCharts.receive(data); return; }
+      render(data); live.textContent = `Live · updated ${new Date().toLocaleTimeString()}`; document.body.dataset.snapshots = String(Number(document.body.dataset.snapshots || 0) + 1); };
     ws.onclose = () => { live.textContent = "Disconnected; reconnecting…"; live.dataset.state = "down"; setTimeout(connect, 2000); };
   }
 
+  // A day's hourly tokens as a small line (an SVG polyline: no chart per row).
+  function sparkline(values, label) {
+    const NS = "http://www.w3.org/2000/svg";
+    const w = 120, h = 24, top = Math.max(1, ...values);
+    const pts = values.map((v, i) => `${((i * w) / Math.max(values.length - 1, 1)).toFixed(1)},${(h - 2 - ((h - 4) * v) / top).toFixed(1)}`).join(" ");
+    const svg = document.createElementNS(NS, "svg");
+    for (const [k, v] of Object.entries({ viewBox: `0 0 ${w} ${h}`, width: w, height: h, class: "sparkline", role: "img", "aria-label": label })) svg.setAttribute(k, v);
+    const line = document.createElementNS(NS, "polyline");
+    line.setAttribute("points", pts);
+    svg.append(line);
+    return svg;
+  }
+
+  const number = (n) => (n >= 1e6 ? `${(n / 1e6).toFixed(1)} M` : n >= 1e3 ? `${(n / 1e3).toFixed(1)} k` : String(n));
+  const limits = (k) => [k.requests_per_minute && `${k.requests_per_minute} req/min`, k.tokens_per_day && `${number(k.tokens_per_day)} tok/day`,
+    k.tokens_per_month && `${number(k.tokens_per_month)} tok/month`].filter(Boolean).join(", ") || "none";
+
+  // Every application's keys, grouped by application, with limits and a day of usage.
   async function keys() {
-    const data = await api("GET", "/api/v1/api-keys/");
-    fill("keys", data.results.filter((k) => !k.revoked_at).map((k) => el("tr", {},
-      el("td", {}, k.name), el("td", {}, k.owner), el("td", {}, k.app || ""), el("td", {}, k.prefix + "…"),
-      el("td", {}, k.created_at.slice(0, 16).replace("T", " ")),
-      el("td", {}, k.last_used_at ? k.last_used_at.slice(0, 16).replace("T", " ") : "never"),
-      el("td", {}, action("Revoke", () => api("DELETE", `/api/v1/api-keys/${k.id}/`).then(() => { keys(); return `${k.name} revoked`; }), "danger")),
-    )));
+    const [data, usage] = await Promise.all([api("GET", "/api/v1/api-keys/?limit=1000"), api("GET", "/api/v1/usage/by-key/?hours=24")]);
+    const used = Object.fromEntries(usage.keys.map((u) => [u.api_key, u]));
+    const live = data.results.filter((k) => !k.revoked_at);
+    live.sort((a, b) => a.owner.localeCompare(b.owner) || a.name.localeCompare(b.name));
+    fill("keys", live.map((k, i) => {
+      const u = used[k.id] || { tokens: usage.hours.map(() => 0), total_tokens: 0, total_requests: 0 };
+      const first = i === 0 || live[i - 1].owner !== k.owner;
+      return el("tr", { "data-key": k.name, "data-owner": k.owner, class: first ? "group-start" : "" },
+        el("th", { scope: "row" }, first ? k.owner : ""), el("td", {}, k.name), el("td", {}, k.app || ""), el("td", {}, k.prefix + "…"),
+        el("td", { class: "limits" }, limits(k)),
+        el("td", { class: "usage" }, sparkline(u.tokens, `${k.name}: tokens per hour over the last day`),
+          el("div", { class: "hint" }, `${number(u.total_tokens)} tokens, ${u.total_requests} requests`)),
+        el("td", {}, k.last_used_at ? k.last_used_at.slice(0, 16).replace("T", " ") : "never"),
+        el("td", {}, action("Revoke", () => api("DELETE", `/api/v1/api-keys/${k.id}/`).then(() => { keys(); return `${k.name} revoked`; }), "danger")),
+      );
+    }).concat(usage.keys.filter((u) => u.api_key === null).map((u) => el("tr", { "data-key": "", class: "group-start" },
+      el("th", { scope: "row" }, u.owner || "–"), el("td", { class: "hint" }, "console, no key"), el("td", {}, ""), el("td", {}, ""), el("td", {}, "–"),
+      el("td", { class: "usage" }, sparkline(u.tokens, `${u.owner}: console tokens per hour over the last day`),
+        el("div", { class: "hint" }, `${number(u.total_tokens)} tokens, ${u.total_requests} requests`)),
+      el("td", {}, ""), el("td", {}, ""),
+    ))));
   }
 
   function form(id, submit) {
@@ -189,7 +240,9 @@
     const v = deployValues(Object.fromEntries([...new FormData(f).entries()].filter(([, x]) => x !== "")));
     const out = document.getElementById("plan-preview");
     try {
-      out.replaceChildren(el("h3", {}, "Plan preview (nothing deployed)"), planView(await api("POST", "/api/v1/deployments/plan/", v), true));
+      const plan = await api("POST", "/api/v1/deployments/plan/", v);
+      out.replaceChildren(el("h3", {}, "Plan preview (nothing deployed)"),
+        planView(plan, { nodes: plan.nodes, links: plan.links, withReasons: true }));
       out.hidden = false;
     } catch (err) { say(err.message, false); }
   });
