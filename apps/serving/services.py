@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from django.conf import settings
@@ -29,7 +29,14 @@ from apps.deployments.models import Deployment, Replica, ScalingPolicy
 from apps.nodes import agent_client
 from apps.nodes.models import Node
 from apps.serving import balancer, cold_start, metrics, routing_table
-from apps.usage.services import Caller, QuotaExceeded, Usage, check_quota, record_soon
+from apps.usage.services import (
+    Caller,
+    QuotaExceeded,
+    Usage,
+    admit_soon,
+    check_quota,
+    record_soon,
+)
 
 log = logging.getLogger(__name__)
 
@@ -558,6 +565,15 @@ async def generate(
         gen = await start_generation(params, usage.request_id)
         label = metrics.known_model(params.model)
         slot.routed(label)
+        # Recorded now, completed at the end: a web process killed mid-stream loses nothing.
+        admit_soon(
+            replace(
+                usage,
+                deployment=gen.target.deployment,
+                replicas=[gen.target.replica_id],
+                nodes=[gen.target.node_name],
+            )
+        )
         yield gen
         async with aclosing(gen.events()) as events:
             async for ev in events:

@@ -13,6 +13,9 @@ class UsageRecord(models.Model):
         CANCELLED = "cancelled"
         ERROR = "error"
         REJECTED = "rejected"  # 429: over a quota or a limit
+        # Routed, stream not ended yet; left so by a web process that died mid-stream, until
+        # services.settle_interrupted() completes it.
+        RUNNING = "running"
 
     request_id = models.CharField(max_length=64, unique=True)
     api_key = models.ForeignKey(

@@ -89,42 +89,103 @@ class Usage:
     reserved: int = 0  # tokens reserved against the quotas at admission
 
 
-def record(u: Usage) -> UsageRecord:
-    """Store a usage record; recording the same request twice keeps the first."""
+def _fields(u: Usage) -> dict:
     c = u.caller
+    return {
+        "api_key_id": c.key_id if c else None,
+        "app": c.app if c else "",
+        "user_id": c.user_id if c else None,
+        "endpoint": u.endpoint,
+        "model": u.model[:100],
+        "deployment": u.deployment,
+        "replicas": u.replicas,
+        "nodes": u.nodes,
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "time_to_first_token_ms": (
+            None if u.time_to_first_token is None else 1000 * u.time_to_first_token
+        ),
+        "duration_ms": 1000 * u.duration,
+        "outcome": u.outcome,
+        "error_code": u.error_code[:64],
+        "started_at": datetime.fromtimestamp(u.started, UTC),
+        "finished_at": datetime.fromtimestamp(u.started + u.duration, UTC),
+    }
+
+
+def admit(u: Usage) -> None:
+    """The record of a request just routed, written before its stream ends: a web process
+    killed mid-stream leaves it RUNNING, where settle_interrupted() finds it."""
+    fields = _fields(u) | {"outcome": UsageRecord.Outcome.RUNNING, "finished_at": None}
     try:
         with transaction.atomic():
-            return UsageRecord.objects.create(
-                request_id=u.request_id,
-                api_key_id=c.key_id if c else None,
-                app=c.app if c else "",
-                user_id=c.user_id if c else None,
-                endpoint=u.endpoint,
-                model=u.model[:100],
-                deployment=u.deployment,
-                replicas=u.replicas,
-                nodes=u.nodes,
-                prompt_tokens=u.prompt_tokens,
-                completion_tokens=u.completion_tokens,
-                time_to_first_token_ms=(
-                    None if u.time_to_first_token is None else 1000 * u.time_to_first_token
-                ),
-                duration_ms=1000 * u.duration,
-                outcome=u.outcome,
-                error_code=u.error_code[:64],
-                started_at=datetime.fromtimestamp(u.started, UTC),
-                finished_at=datetime.fromtimestamp(u.started + u.duration, UTC),
-            )
+            UsageRecord.objects.create(request_id=u.request_id, **fields)
     except IntegrityError:
-        return UsageRecord.objects.get(request_id=u.request_id)
+        pass  # its final record got there first (the two are written by parallel tasks)
 
 
-def _record_and_close(u: Usage) -> None:
-    """record() from a pool thread, which Django's request cycle never cleans up after."""
-    try:
-        record(u)
-    finally:
-        connections.close_all()
+def record(u: Usage) -> UsageRecord:
+    """Complete a request's record (or store it, if it was never admitted). The first final
+    record stays: recording the same request twice keeps the first."""
+    fields = _fields(u)
+    running = UsageRecord.objects.filter(
+        request_id=u.request_id, outcome=UsageRecord.Outcome.RUNNING
+    )
+    if not running.update(**fields):
+        try:
+            with transaction.atomic():
+                return UsageRecord.objects.create(request_id=u.request_id, **fields)
+        except IntegrityError:  # admitted meanwhile, or already final
+            running.update(**fields)
+    return UsageRecord.objects.get(request_id=u.request_id)
+
+
+def settle_interrupted(older_than: float | None = None) -> int:
+    """Complete records left RUNNING longer than any stream may last (their web process
+    died): outcome error, code "interrupted", ended now. Their tokens are not known here
+    (the tokens a dead process streamed are not counted). Returns how many."""
+    older_than = settings.REQUEST_TIMEOUT_SECONDS + 60 if older_than is None else older_than
+    now = datetime.now(UTC)
+    n = UsageRecord.objects.filter(
+        outcome=UsageRecord.Outcome.RUNNING, started_at__lt=now - timedelta(seconds=older_than)
+    ).update(outcome=UsageRecord.Outcome.ERROR, error_code="interrupted", finished_at=now)
+    if n:
+        log.warning("usage: %d record(s) of streams whose web process died, settled", n)
+    return n
+
+
+def _close_after(fn):
+    """fn from a pool thread, which Django's request cycle never cleans up after."""
+
+    def run(u: Usage):
+        try:
+            return fn(u)
+        finally:
+            connections.close_all()
+
+    return run
+
+
+async def _store(fn, u: Usage) -> None:
+    for attempt in range(3):
+        try:
+            await sync_to_async(_close_after(fn), thread_sensitive=False)(u)
+            return
+        except Exception:  # a busy or restarting database: try again, then say so
+            if attempt == 2:
+                log.exception("usage record %s lost (%s): %s", u.request_id, fn.__name__, u)
+            await asyncio.sleep(0.5 * (attempt + 1))
+
+
+def _in_background(coro) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    _pending.add(task)
+    task.add_done_callback(_pending.discard)
+
+
+def admit_soon(u: Usage) -> None:
+    """admit() from a background task: the first token never waits for the database."""
+    _in_background(_store(admit, u))
 
 
 def record_soon(u: Usage) -> None:
@@ -133,18 +194,9 @@ def record_soon(u: Usage) -> None:
 
     async def write():
         await consume_tokens(u.caller, u.prompt_tokens + u.completion_tokens, u.reserved)
-        for attempt in range(3):
-            try:
-                await sync_to_async(_record_and_close, thread_sensitive=False)(u)
-                return
-            except Exception:  # a busy or restarting database: try again, then say so
-                if attempt == 2:
-                    log.exception("usage record %s lost: %s", u.request_id, u)
-                await asyncio.sleep(0.5 * (attempt + 1))
+        await _store(record, u)
 
-    task = asyncio.get_running_loop().create_task(write())
-    _pending.add(task)
-    task.add_done_callback(_pending.discard)
+    _in_background(write())
 
 
 async def flush(timeout: float = 10.0) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 
 from controlplane.redis import key as redis_key
@@ -92,6 +93,44 @@ async def test_a_cancelled_generation_is_recorded_with_what_was_generated(two_re
     [r] = await records()
     assert r.outcome == "cancelled" and r.endpoint == "websocket"
     assert r.prompt_tokens > 0 and 3 <= r.completion_tokens < 300
+
+
+async def test_a_stream_is_recorded_while_it_runs_and_settled_if_its_process_dies(
+    two_replicas, alice_key
+):
+    """The record is written once the request is routed, before its stream ends: a web
+    process killed mid-stream (here: a stream never finished, as a dead process leaves it)
+    leaves it RUNNING with where it ran, and the sweeper settles it."""
+    from apps.serving.services import GenerationParams, Piece, generate
+    from apps.usage import services
+    from apps.usage.models import UsageRecord
+    from apps.usage.services import Caller
+
+    params = GenerationParams(model=SMOLLM2, messages=STORY, max_tokens=200, temperature=0)
+    events = generate(params, Caller(user_id=None), "chat")
+    gen = await anext(events)
+    assert isinstance(await anext(events), Piece)
+    [r] = await records()
+    assert r.outcome == "running" and r.finished_at is None
+    assert r.replicas == [gen.target.replica_id] and r.nodes == [gen.target.node_name]
+    assert r.deployment == SMOLLM2
+    # Not yet stale: left alone.
+    assert await sync_to_async(services.settle_interrupted)() == 0
+    assert await sync_to_async(services.settle_interrupted)(older_than=0) == 1
+    r = await UsageRecord.objects.aget(pk=r.pk)
+    assert (r.outcome, r.error_code) == ("error", "interrupted") and r.finished_at is not None
+    await events.aclose()  # (a live process would complete it; a settled record stays)
+    [r] = await records()
+    assert r.error_code == "interrupted"
+
+
+async def test_a_finished_stream_completes_its_admitted_record(two_replicas, alice_key):
+    resp = await post(
+        alice_key, {"model": SMOLLM2, "messages": CHAT, "max_tokens": 8, "stream": True}
+    )
+    [_ async for _ in resp.streaming_content]
+    [r] = await records()  # one record: the admitted one, completed
+    assert r.outcome == "ok" and r.completion_tokens > 0 and r.finished_at > r.started_at
 
 
 async def test_embeddings_are_recorded(two_replicas, alice_key):
