@@ -77,6 +77,9 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # wait, a file with the settings above does.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-db.sqlite3")}
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("LLAMAFLEET_DB_CONN_MAX_AGE", default=0)
+# A connection is checked before use (with the pool: as it leaves the pool), so after
+# PostgreSQL restarts no request fails on a connection the restart closed.
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 if DATABASES["default"]["ENGINE"].endswith("postgresql") and env.bool(
     "LLAMAFLEET_DB_POOL", default=True
 ):

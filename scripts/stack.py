@@ -26,6 +26,8 @@ from urllib.parse import urlparse
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 DEFAULT_MODEL = "smollm2-135m-instruct"
+#: The processes of `make run`, each started by the Stack method of its name.
+PROCESSES = ("web", "worker", "beat", "agent", "redis")
 
 
 class Stack:
@@ -182,10 +184,10 @@ class Stack:
 
     # ---- the whole thing -----------------------------------------------------------
 
-    def control_plane(self) -> None:
-        """The web process, the Celery worker and beat (no agent, nothing deployed)."""
+    def web(self, proc: str = "web", port: int | None = None) -> None:
+        """A web process (uvicorn): the machine's port by default; more for tests."""
         self.start(
-            "web",
+            proc,
             [
                 PY,
                 "-m",
@@ -194,7 +196,7 @@ class Stack:
                 "--host",
                 "127.0.0.1",
                 "--port",
-                str(self.port),
+                str(port or self.port),
                 "--no-access-log",
                 # SIGTERM: open streams finish for up to 8 s (within the 10 s `stop` waits),
                 # then pending usage records are written (controlplane.asgi.lifespan).
@@ -204,6 +206,10 @@ class Stack:
                 "warning",  # uvicorn logs websocket URLs at info, query-string keys included
             ],
         )
+
+    def control_plane(self) -> None:
+        """The web process, the Celery worker and beat (no agent, nothing deployed)."""
+        self.web()
         self.start(
             "worker",
             [
@@ -239,6 +245,36 @@ class Stack:
             ],
         )
 
+    def agent(
+        self,
+        proc: str = "agent",
+        name: str = "",
+        port: int | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        """A node agent (the machine's own by default; others for tests of several nodes)."""
+        self.start(
+            proc,
+            [
+                PY,
+                "-m",
+                "workers",
+                "agent",
+                "--name",
+                name or socket.gethostname(),
+                "--listen",
+                f"127.0.0.1:{port or self.agent_port}",
+                "--control-plane",
+                self.url,
+                "--models-dir",
+                str(self.var / ("models" if proc == "agent" else f"models-{proc}")),
+                "--metrics-listen",
+                f"127.0.0.1:{metrics_port or self.metrics_port}",
+                "--drain-seconds",  # within the 10 s `stop` waits before SIGKILL
+                "8",
+            ],
+        )
+
     def up(self, model: str, wait: float) -> None:
         print("Starting LlamaFleet:")
         check = subprocess.run([PY, "scripts/check_engine.py"], cwd=ROOT)
@@ -249,27 +285,7 @@ class Stack:
         key = self.env["LLAMAFLEET_BOOTSTRAP_KEY"]
         self.manage("create_api_key", "bootstrap", "--key", key, quiet=True)
         self.control_plane()
-        self.start(
-            "agent",
-            [
-                PY,
-                "-m",
-                "workers",
-                "agent",
-                "--name",
-                socket.gethostname(),
-                "--listen",
-                f"127.0.0.1:{self.agent_port}",
-                "--control-plane",
-                self.url,
-                "--models-dir",
-                str(self.var / "models"),
-                "--metrics-listen",
-                f"127.0.0.1:{self.metrics_port}",
-                "--drain-seconds",  # within the 10 s `stop` waits before SIGKILL
-                "8",
-            ],
-        )
+        self.agent()
         _wait(lambda: _http_ok(self.url + "/healthz"), 60, "web")
         # Deploy only once the agent has reported: its first report after a restart is what
         # tells the control plane that replicas it held before are gone.
@@ -295,13 +311,22 @@ Try it:
 
 Stop it with: make stop""")
 
+    def processes(self) -> list[str]:
+        """Every process this stack started (more agents or web processes a test added
+        included), in the order they stop: agents first (they drain), Redis last."""
+        names = {p.stem for p in self.run_dir.glob("*.pid")} | set(PROCESSES)
+        order = ("agent", "beat", "worker", "web", "redis")
+        return sorted(
+            names, key=lambda n: (next(i for i, o in enumerate(order) if n.startswith(o)), n)
+        )
+
     def down(self) -> None:
         print("Stopping LlamaFleet:")
-        for name in ("agent", "beat", "worker", "web", "redis"):
+        for name in self.processes():
             self.stop(name)
 
     def status(self) -> None:
-        for name in ("web", "worker", "beat", "agent", "redis"):
+        for name in self.processes():
             pid = self.pid(name)
             print(f"  {name:7s} {f'running (pid {pid})' if pid else 'stopped'}")
 

@@ -2,25 +2,50 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 from django.contrib.auth import get_user_model
+from django.db import DatabaseError
 from django.utils import timezone
 
 from apps.accounts.models import ApiKey, hash_key
 
+log = logging.getLogger(__name__)
+
 #: last_used_at is a hint for people, not an audit log: write it at most this often.
 _TOUCH_EVERY = timedelta(minutes=1)
+
+
+#: Keys this process authenticated lately, by hash: while the database does not answer
+#: (a restart, a failover), they keep working for this long after they were last checked.
+#: A key revoked during the outage is refused once the database is back.
+STALE_IF_ERROR = timedelta(minutes=10)
+_MAX_REMEMBERED = 10_000
+_remembered: dict[str, tuple[ApiKey, object]] = {}
 
 
 def authenticate_key(raw: str) -> ApiKey | None:
     """The active key matching a raw bearer value, or None."""
     if not raw:
         return None
-    key = ApiKey.objects.active().select_related("owner").filter(key_hash=hash_key(raw)).first()
-    if key is None or not key.owner.is_active:
-        return None
+    digest = hash_key(raw)
     now = timezone.now()
+    try:
+        key = ApiKey.objects.active().select_related("owner").filter(key_hash=digest).first()
+    except DatabaseError:
+        known = _remembered.get(digest)
+        if known is None or now - known[1] > STALE_IF_ERROR:
+            raise
+        log.warning("database unreachable: key %s accepted as checked at %s", known[0].prefix,
+                    known[1])  # fmt: skip
+        return known[0]
+    if key is None or not key.owner.is_active:
+        _remembered.pop(digest, None)
+        return None
+    if len(_remembered) >= _MAX_REMEMBERED:
+        _remembered.clear()
+    _remembered[digest] = (key, now)
     if key.last_used_at is None or now - key.last_used_at > _TOUCH_EVERY:
         ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
     return key

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 
 from django.conf import settings
+from django.db import DatabaseError
 from django.db.models.signals import post_delete, post_save
 
 _cache: dict[str, tuple[float, list[tuple]]] = {}
@@ -28,10 +29,29 @@ async def ready_rows(model_name: str) -> list[tuple]:
     now = time.monotonic()
     if hit is not None and now - hit[0] < settings.ROUTING_CACHE_SECONDS:
         return hit[1]
+    try:
+        rows = await _query(model_name)
+    except DatabaseError:
+        # The database is away (a restart, a failover): route by what was last seen.
+        if hit is not None and now - hit[0] < STALE_IF_ERROR_SECONDS:
+            return hit[1]
+        raise
+    if rows:
+        _cache[model_name] = (now, rows)
+    else:
+        _cache.pop(model_name, None)
+    return rows
+
+
+#: How long a cached entry still routes while the database does not answer.
+STALE_IF_ERROR_SECONDS = 600.0
+
+
+async def _query(model_name: str) -> list[tuple]:
     from apps.deployments.models import Deployment, Replica
     from apps.nodes.models import Node
 
-    rows = [
+    return [
         (str(pk), node, address, dep, policy, slots)
         async for pk, node, address, dep, policy, slots in Replica.objects.filter(
             state=Replica.State.READY,
@@ -50,11 +70,6 @@ async def ready_rows(model_name: str) -> list[tuple]:
             "deployment__parallel",
         )
     ]
-    if rows:
-        _cache[model_name] = (now, rows)
-    else:
-        _cache.pop(model_name, None)
-    return rows
 
 
 #: Fields whose change can change a routing decision.

@@ -561,19 +561,13 @@ async def generate(
         usage.reserved = await check_quota_or_429(
             caller, usage.request_id, params.max_tokens or settings.QUOTA_RESERVE_TOKENS
         )
+        # Recorded on arrival, completed at the end: a web process killed while the request
+        # waits for a slot or streams leaves its record, for the sweeper to settle.
+        admit_soon(replace(usage))
         slot = _Slot()
         gen = await start_generation(params, usage.request_id)
         label = metrics.known_model(params.model)
         slot.routed(label)
-        # Recorded now, completed at the end: a web process killed mid-stream loses nothing.
-        admit_soon(
-            replace(
-                usage,
-                deployment=gen.target.deployment,
-                replicas=[gen.target.replica_id],
-                nodes=[gen.target.node_name],
-            )
-        )
         yield gen
         async with aclosing(gen.events()) as events:
             async for ev in events:

@@ -114,7 +114,7 @@ def _fields(u: Usage) -> dict:
 
 
 def admit(u: Usage) -> None:
-    """The record of a request just routed, written before its stream ends: a web process
+    """The record of a request just admitted, written before its stream ends: a web process
     killed mid-stream leaves it RUNNING, where settle_interrupted() finds it."""
     fields = _fields(u) | {"outcome": UsageRecord.Outcome.RUNNING, "finished_at": None}
     try:
@@ -166,15 +166,25 @@ def _close_after(fn):
     return run
 
 
+#: How long a record waits for a database that is down or restarting before it is given up.
+STORE_PATIENCE_SECONDS = 180.0
+
+
 async def _store(fn, u: Usage) -> None:
-    for attempt in range(3):
+    """fn(u) in a pool thread, retried with backoff while the database is away (held in
+    memory meanwhile; a graceful shutdown waits for them in flush())."""
+    deadline = time.monotonic() + STORE_PATIENCE_SECONDS
+    pause = 0.5
+    while True:
         try:
             await sync_to_async(_close_after(fn), thread_sensitive=False)(u)
             return
-        except Exception:  # a busy or restarting database: try again, then say so
-            if attempt == 2:
+        except Exception:  # a busy, restarting or stopped database: try again, then say so
+            if time.monotonic() + pause > deadline:
                 log.exception("usage record %s lost (%s): %s", u.request_id, fn.__name__, u)
-            await asyncio.sleep(0.5 * (attempt + 1))
+                return
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 5.0)
 
 
 def _in_background(coro) -> None:

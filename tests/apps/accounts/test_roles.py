@@ -55,6 +55,7 @@ ROUTES = {
     "api/v1/deployments/{name}/autoscaling/": OPERATOR,
     "api/v1/deployments/{name}/undeploy/": OPERATOR,
     "api/v1/usage/": APP,
+    "api/v1/usage/by-key/": OPERATOR,
     "api/v1/usage/{request_id}/": APP,
     "api/v1/reports/": OPERATOR,
     "api/v1/reports/{pk}/": OPERATOR,

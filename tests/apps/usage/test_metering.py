@@ -98,9 +98,9 @@ async def test_a_cancelled_generation_is_recorded_with_what_was_generated(two_re
 async def test_a_stream_is_recorded_while_it_runs_and_settled_if_its_process_dies(
     two_replicas, alice_key
 ):
-    """The record is written once the request is routed, before its stream ends: a web
+    """The record is written when the request arrives, before its stream ends: a web
     process killed mid-stream (here: a stream never finished, as a dead process leaves it)
-    leaves it RUNNING with where it ran, and the sweeper settles it."""
+    leaves it RUNNING, and the sweeper settles it."""
     from apps.serving.services import GenerationParams, Piece, generate
     from apps.usage import services
     from apps.usage.models import UsageRecord
@@ -111,9 +111,8 @@ async def test_a_stream_is_recorded_while_it_runs_and_settled_if_its_process_die
     gen = await anext(events)
     assert isinstance(await anext(events), Piece)
     [r] = await records()
-    assert r.outcome == "running" and r.finished_at is None
-    assert r.replicas == [gen.target.replica_id] and r.nodes == [gen.target.node_name]
-    assert r.deployment == SMOLLM2
+    assert r.outcome == "running" and r.finished_at is None and r.model == SMOLLM2
+    assert gen.target.replica_id  # routed; the record learns where at the end
     # Not yet stale: left alone.
     assert await sync_to_async(services.settle_interrupted)() == 0
     assert await sync_to_async(services.settle_interrupted)(older_than=0) == 1
