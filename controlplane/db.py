@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
+import time
+
 from django.db import connection
+
+#: After the database failed to answer, what can be served from this process's last reads
+#: (API keys, routing tables) is, for this long, without asking again: each ask would wait
+#: out the connection pool's timeout (10 s) while the database is away.
+UNREACHABLE_BACKOFF_SECONDS = 10.0
+_unreachable_until = 0.0
+
+
+def database_unreachable() -> bool:
+    """Whether the database failed to answer within the last UNREACHABLE_BACKOFF_SECONDS."""
+    return time.monotonic() < _unreachable_until
+
+
+def mark_unreachable() -> None:
+    global _unreachable_until
+    _unreachable_until = time.monotonic() + UNREACHABLE_BACKOFF_SECONDS
 
 
 def relaxed_commit() -> None:

@@ -10,6 +10,7 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from apps.accounts.models import ApiKey, hash_key
+from controlplane.db import database_unreachable, mark_unreachable
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,15 @@ def authenticate_key(raw: str) -> ApiKey | None:
         return None
     digest = hash_key(raw)
     now = timezone.now()
+    known = _remembered.get(digest)
+    fresh_enough = known is not None and now - known[1] <= STALE_IF_ERROR
+    if fresh_enough and database_unreachable():
+        return known[0]
     try:
         key = ApiKey.objects.active().select_related("owner").filter(key_hash=digest).first()
     except DatabaseError:
-        known = _remembered.get(digest)
-        if known is None or now - known[1] > STALE_IF_ERROR:
+        mark_unreachable()
+        if not fresh_enough:
             raise
         log.warning("database unreachable: key %s accepted as checked at %s", known[0].prefix,
                     known[1])  # fmt: skip

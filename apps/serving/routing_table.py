@@ -19,6 +19,8 @@ from django.conf import settings
 from django.db import DatabaseError
 from django.db.models.signals import post_delete, post_save
 
+from controlplane.db import database_unreachable, mark_unreachable
+
 _cache: dict[str, tuple[float, list[tuple]]] = {}
 
 
@@ -29,11 +31,15 @@ async def ready_rows(model_name: str) -> list[tuple]:
     now = time.monotonic()
     if hit is not None and now - hit[0] < settings.ROUTING_CACHE_SECONDS:
         return hit[1]
+    # The database is away (a restart, a failover): route by what was last seen.
+    stale_ok = hit is not None and now - hit[0] < STALE_IF_ERROR_SECONDS
+    if stale_ok and database_unreachable():
+        return hit[1]
     try:
         rows = await _query(model_name)
     except DatabaseError:
-        # The database is away (a restart, a failover): route by what was last seen.
-        if hit is not None and now - hit[0] < STALE_IF_ERROR_SECONDS:
+        mark_unreachable()
+        if stale_ok:
             return hit[1]
         raise
     if rows:

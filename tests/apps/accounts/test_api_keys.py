@@ -143,3 +143,22 @@ def test_operators_see_and_set_everyones_keys(api, alice, olga, ops, django_user
         ops.post("/api/v1/api-keys/", {"name": "x", "owner": "oscar"}, format="json").status_code
         == 400
     )
+
+
+def test_keys_seen_lately_work_while_the_database_is_away(alice_key, django_assert_num_queries):
+    """Once the database failed to answer, a key this process checked lately is taken from
+    memory (no query, no wait on the pool) until the database answers again; a key never
+    seen is not."""
+    from apps.accounts import services
+    from controlplane import db
+
+    key = services.authenticate_key(alice_key)
+    assert key is not None
+    try:
+        db.mark_unreachable()
+        with django_assert_num_queries(0):
+            assert services.authenticate_key(alice_key).pk == key.pk
+        assert services.authenticate_key("lf-never-seen-key-000000000000") is None  # asks
+    finally:
+        db._unreachable_until = 0.0
+    assert services.authenticate_key(alice_key).pk == key.pk
