@@ -61,9 +61,6 @@ const LFCharts = (() => {
         },
       });
     }
-    const latest = points[points.length - 1];
-    document.getElementById("charts").dataset.points = String(points.length);
-    if (latest) document.getElementById("charts").dataset.latest = JSON.stringify(latest.deployments);
   }
 
   // A socket message: {series: [points], reset: true} for the hour, {series: [point]} after.
