@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO := proto/llamafleet/agent/v1/agent.proto
 
-.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-soak bench-fleet bench-coldstart llama-server
+.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-soak bench-fleet bench-coldstart bench-console llama-server
 
 setup: $(VENV)/.installed
 
@@ -65,6 +65,11 @@ bench-coldstart: setup
 # Needs the test model cache (run `make test` once).
 bench-grammar: setup
 	$(PY) bench/grammar.py
+
+# Database queries of 10 open consoles, idle and with the fleet changing (PostgreSQL with
+# DATABASE_URL, else SQLite).
+bench-console: setup
+	$(PY) bench/console.py
 
 # 64 clients for 10 minutes against a fresh bench stack: no 5xx, 429 with Retry-After, flat memory.
 bench-soak: setup

@@ -7,7 +7,8 @@ from celery.signals import after_setup_logger, after_setup_task_logger
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
-app = Celery("llamafleet")
+# DjangoTask: `task.delay_on_commit(...)` sends a task once the transaction commits.
+app = Celery("llamafleet", task_cls="celery.contrib.django.task:DjangoTask")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 

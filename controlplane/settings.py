@@ -222,6 +222,8 @@ CELERY_TASK_ROUTES = {
     "apps.deployments.tasks.expire_load_leases": {"queue": "liveness"},
     "apps.catalog.tasks.expire_job_leases": {"queue": "liveness"},
     "apps.console.tasks.record_series": {"queue": "liveness"},
+    "apps.nodes.tasks.expire_link_job_leases": {"queue": "liveness"},
+    "apps.nodes.tasks.measure_links": {"queue": "jobs"},  # minutes of transfers
     "apps.catalog.tasks.*": {"queue": "jobs"},
     "apps.deployments.tasks.*": {"queue": "control"},
     "apps.nodes.tasks.*": {"queue": "control"},

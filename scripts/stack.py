@@ -26,8 +26,9 @@ from urllib.parse import urlparse
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 DEFAULT_MODEL = "smollm2-135m-instruct"
-#: The processes of `make run`, each started by the Stack method of its name.
-PROCESSES = ("web", "worker", "beat", "agent", "redis")
+#: The processes of `make run`, in the order they start, each by the Stack method of its
+#: name. They stop in the reverse order: agents first (they drain), Redis last.
+PROCESSES = ("redis", "web", "worker", "beat", "agent")
 
 
 class Stack:
@@ -315,7 +316,7 @@ Stop it with: make stop""")
         """Every process this stack started (more agents or web processes a test added
         included), in the order they stop: agents first (they drain), Redis last."""
         names = {p.stem for p in self.run_dir.glob("*.pid")} | set(PROCESSES)
-        order = ("agent", "beat", "worker", "web", "redis")
+        order = PROCESSES[::-1]
         return sorted(
             names, key=lambda n: (next(i for i, o in enumerate(order) if n.startswith(o)), n)
         )

@@ -17,6 +17,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+def stack_module():
+    """scripts/stack.py (not a package) as a module: its Stack and its process table."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stack", ROOT / "scripts/stack.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 #: Models fetched once and kept between runs (the fetch itself is tested in catalog tests).
 CACHE = ROOT / "var" / "test-cache"
 SMOLLM2 = "smollm2-135m-instruct"
@@ -330,6 +341,18 @@ def registered_agent(db, agent):
 
 
 @pytest.fixture
+def fake_agent(db):
+    """A fake agent (the real contract on a real socket, no model), registered by its report."""
+    from apps.nodes.services import record_heartbeat
+    from tests.fakes.agent import FakeAgent
+
+    fake = FakeAgent()
+    fake.node = record_heartbeat(fake.payload())
+    yield fake
+    fake.close()
+
+
+@pytest.fixture
 def celery_worker_thread(transactional_db):
     """A real Celery worker (threads) consuming the real Redis broker."""
     from celery.contrib.testing.worker import start_worker
@@ -361,6 +384,24 @@ def wait_for(predicate, timeout=60.0, interval=0.1):
         if value:
             return value
         time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s (last value: {value!r})")
+
+
+async def async_wait_for(predicate, timeout=60.0, interval=0.05):
+    """wait_for in an async test: predicate() may return a value or an awaitable of one, and
+    the loop keeps running while it waits."""
+    import inspect
+    import time
+
+    deadline = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < deadline:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        await asyncio.sleep(interval)
     raise AssertionError(f"condition not met within {timeout} s (last value: {value!r})")
 
 

@@ -3,7 +3,6 @@ byte, and ggml RPC servers refuse wildcard or public addresses unless forced."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import stat
@@ -12,6 +11,7 @@ import sys
 import pytest
 
 from controlplane.logs import MASK, RedactSecrets, redact
+from tests.conftest import stack_module
 from workers.agent.server import check_rpc_host
 
 
@@ -69,9 +69,7 @@ def test_rpc_servers_take_private_addresses(host):
 
 
 def test_the_secrets_file_is_created_private(tmp_path):
-    spec = importlib.util.spec_from_file_location("stack", "scripts/stack.py")
-    stack = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stack)
+    stack = stack_module()
     old = os.umask(0)  # even under a permissive umask
     try:
         stack.Stack(tmp_path, 8000, 50051)

@@ -1,12 +1,12 @@
 from django.contrib import admin
 
 from apps.catalog.models import CatalogModel, PullJob
+from controlplane.admin import ReadOnlyAdmin, ReadOnlyInline
 
 
-class PullJobInline(admin.TabularInline):
+class PullJobInline(ReadOnlyInline):
     model = PullJob
-    extra = 0
-    readonly_fields = (
+    fields = (
         "state",
         "phase",
         "bytes_done",
@@ -15,11 +15,10 @@ class PullJobInline(admin.TabularInline):
         "created_at",
         "finished_at",
     )
-    fields = readonly_fields
 
 
 @admin.register(CatalogModel)
-class CatalogModelAdmin(admin.ModelAdmin):
+class CatalogModelAdmin(ReadOnlyAdmin):
     list_display = (
         "name",
         "state",
@@ -31,14 +30,11 @@ class CatalogModelAdmin(admin.ModelAdmin):
     )
     list_filter = ("state", "architecture")
     search_fields = ("name", "sha256")
-    readonly_fields = [
-        f.name for f in CatalogModel._meta.fields if f.name not in ("name", "description")
-    ]
     inlines = [PullJobInline]
 
 
 @admin.register(PullJob)
-class PullJobAdmin(admin.ModelAdmin):
+class PullJobAdmin(ReadOnlyAdmin):
     list_display = (
         "model",
         "state",
@@ -49,4 +45,3 @@ class PullJobAdmin(admin.ModelAdmin):
         "finished_at",
     )
     list_filter = ("state",)
-    readonly_fields = [f.name for f in PullJob._meta.fields]

@@ -4,6 +4,8 @@ from pathlib import Path
 from django.conf import settings
 from django.db import models
 
+from controlplane.jobs import Job
+
 
 class CatalogModel(models.Model):
     """A GGUF model the fleet can deploy, with the facts read from its file."""
@@ -112,39 +114,6 @@ class ModelFile(models.Model):
 def store_path(sha256: str) -> Path:
     """Files are named by content, so agents sharing the directory find them as they are."""
     return Path(settings.MODEL_STORE_DIR) / f"sha256-{sha256}.gguf"
-
-
-class Job(models.Model):
-    """What pulls and quantizations share: a claimed, leased run with a phase and progress.
-
-    PROGRESS names the pair of fields that count done/total (bytes for a pull; tensors, then
-    bytes, for a quantization)."""
-
-    class State(models.TextChoices):
-        PENDING = "pending"
-        RUNNING = "running"
-        DONE = "done"
-        FAILED = "failed"
-
-    PROGRESS = ("done", "total")
-
-    state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
-    phase = models.CharField(max_length=200, blank=True)
-    error = models.TextField(blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
-    started_at = models.DateTimeField(null=True, blank=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
-    #: Set at the claim: a running job past it lost its worker and is failed by the sweeper.
-    lease_expires_at = models.DateTimeField(null=True, blank=True)
-
-    class Meta:
-        abstract = True
-        ordering = ["-created_at"]
-
-    @property
-    def progress(self) -> float | None:
-        done, total = (getattr(self, f) for f in self.PROGRESS)
-        return round(done / total, 4) if total else None
 
 
 class PullJob(Job):

@@ -28,6 +28,7 @@ from apps.catalog.services import ProgressWriter, agent_files, register_files
 from apps.nodes import agent_client
 from apps.nodes.models import Node
 from controlplane.errors import Conflict, DomainError
+from workers.engine import errors
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def start_quantize(source: CatalogModel, target: str, name: str = "") -> Quantiz
 
     with transaction.atomic():
         job = create_quantize(source, target, name)
-        transaction.on_commit(lambda: run_quantize.delay(job.pk))
+        run_quantize.delay_on_commit(job.pk)
     return job
 
 
@@ -192,7 +193,7 @@ def run_quantize(job_id: int, on_progress=None) -> QuantizeJob:
             )
     except Exception as exc:  # whatever it was: a final state and the reason
         if isinstance(exc, grpc.RpcError):
-            message = f"agent: {exc.details() if hasattr(exc, 'details') else exc}"
+            message = f"agent: {errors.describe(exc)}"
         elif isinstance(exc, (QuantizeError, BadGGUF, OSError)):
             message = str(exc)
         else:

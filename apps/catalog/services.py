@@ -27,6 +27,7 @@ from apps.catalog.models import (
     store_path,
 )
 from controlplane.errors import Conflict, DomainError, NotFound
+from controlplane.jobs import LOST
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def start_pull(name: str, local_path: str = "", source: str = "") -> PullJob:
     with transaction.atomic():
         model = check_pull(name, local_path, source)
         job = PullJob.objects.create(model=model, local_path=local_path)
-        transaction.on_commit(lambda: run_pull.delay(job.pk))
+        run_pull.delay_on_commit(job.pk)
     return job
 
 
@@ -102,40 +103,24 @@ def create_pull(name: str, local_path: str = "", source: str = "") -> PullJob:
 
 #: A pull's task may run an hour (its time limit); past this, its worker is taken as gone.
 PULL_LEASE_SECONDS = 3600 + 120
-RESEND_AFTER_SECONDS = 120
 
 
 def expire_leases() -> dict:
-    """Running pulls and quantizations whose worker died end failed, with the reason;
-    pending ones never picked up (the broker was down when they were sent) are sent again."""
+    """Running pulls and quantizations whose worker died end failed, with the reason (a
+    model being pulled for the first time fails with it); pending ones never picked up (the
+    broker was down when they were sent) are sent again."""
     from apps.catalog.tasks import run_pull, run_quantize
 
-    now = timezone.now()
-    why = "the job stopped without finishing (its worker was lost); start it again"
-    lost_pulls = list(PullJob.objects.filter(state=PullJob.State.RUNNING, lease_expires_at__lt=now))
-    for job in lost_pulls:
-        if PullJob.objects.filter(pk=job.pk, state=PullJob.State.RUNNING).update(
-            state=PullJob.State.FAILED, error=why, finished_at=now
-        ):
-            CatalogModel.objects.filter(pk=job.model_id, state=CatalogModel.State.PULLING).update(
-                state=CatalogModel.State.FAILED, error=why
-            )
-    lost_quantizations = QuantizeJob.objects.filter(
-        state=QuantizeJob.State.RUNNING, lease_expires_at__lt=now
-    ).update(state=QuantizeJob.State.FAILED, error=why, finished_at=now)
-    old = now - timedelta(seconds=RESEND_AFTER_SECONDS)
-    resent = 0
-    for pk in PullJob.objects.filter(state=PullJob.State.PENDING, created_at__lt=old).values_list(
-        "pk", flat=True
-    ):
-        run_pull.delay(pk)
-        resent += 1
-    for pk in QuantizeJob.objects.filter(
-        state=QuantizeJob.State.PENDING, created_at__lt=old
-    ).values_list("pk", flat=True):
-        run_quantize.delay(pk)
-        resent += 1
-    return {"lost": len(lost_pulls) + lost_quantizations, "resent": resent}
+    pulls = PullJob.expire(run_pull.delay)
+    for model_id in PullJob.objects.filter(pk__in=pulls["lost"]).values_list("model_id", flat=True):
+        CatalogModel.objects.filter(pk=model_id, state=CatalogModel.State.PULLING).update(
+            state=CatalogModel.State.FAILED, error=LOST
+        )
+    quantizations = QuantizeJob.expire(run_quantize.delay)
+    return {
+        "lost": len(pulls["lost"]) + len(quantizations["lost"]),
+        "resent": len(pulls["resent"]) + len(quantizations["resent"]),
+    }
 
 
 class ProgressWriter:

@@ -1,5 +1,6 @@
-"""The dashboard's live feed: a snapshot whenever it changes (checked every second), and the
-charts' points: the last hour when the socket opens, then each new one as beat takes it."""
+"""The dashboard's live feed: the snapshot when the socket opens, then the sections that
+changed whenever the fleet changes (see live.py), and the charts' points: the last hour
+when the socket opens, then each new one as beat takes it."""
 
 from __future__ import annotations
 
@@ -8,12 +9,8 @@ import json
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
-from django.core.serializers.json import DjangoJSONEncoder
 
-from apps.console import series
-from apps.console.services import snapshot
-
-INTERVAL = 1.0
+from apps.console import live, series
 
 
 class DashboardConsumer(AsyncWebsocketConsumer):
@@ -22,30 +19,41 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         if not (user.is_authenticated and user.is_staff):
             await self.close(code=4403)
             return
-        await self.channel_layer.group_add(series.GROUP, self.channel_name)
+        self._sent: dict[str, str] = {}
+        self._version = -1
+        self._lock = asyncio.Lock()
+        await self.channel_layer.group_add(live.GROUP, self.channel_name)
+        live.feed().join()
         await self.accept()
-        self._task = asyncio.create_task(self._feed())
+        await self._catch_up()
+        points = await database_sync_to_async(series.history)()
+        await self.send(
+            text_data=json.dumps({"series": points, "step": series.STEP, "reset": True})
+        )
 
     async def disconnect(self, code):
-        task = getattr(self, "_task", None)
-        if task is not None:
-            task.cancel()
-            await self.channel_layer.group_discard(series.GROUP, self.channel_name)
+        if hasattr(self, "_sent"):
+            live.feed().leave()
+            await self.channel_layer.group_discard(live.GROUP, self.channel_name)
+
+    async def fleet_changed(self, event):
+        """Something the dashboard shows changed (announced by live.py)."""
+        live.feed().changed()
+        await self._catch_up()
 
     async def series_point(self, event):
         """A point beat just took (sent to the group by series.record)."""
         await self.send(text_data=json.dumps({"series": [event["point"]], "step": series.STEP}))
 
-    async def _feed(self):
-        last = None
-        while True:
-            data = json.dumps(await database_sync_to_async(snapshot)(), cls=DjangoJSONEncoder)
-            if data != last:
-                await self.send(text_data=data)
-                if last is None:  # the charts' hour, once the tables are drawn
-                    points = await database_sync_to_async(series.history)()
-                    await self.send(
-                        text_data=json.dumps({"series": points, "step": series.STEP, "reset": True})
-                    )
-                last = data
-            await asyncio.sleep(INTERVAL)
+    async def _catch_up(self):
+        async with self._lock:
+            version, sections = await live.feed().current()
+            if version == self._version:
+                return
+            first = not self._sent
+            delta = {k: v for k, v in sections.items() if self._sent.get(k) != v}
+            self._sent, self._version = sections, version
+            if first:
+                await self.send(text_data=live.message(sections))
+            elif delta:
+                await self.send(text_data=live.message(delta, "delta"))

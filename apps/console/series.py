@@ -16,8 +16,10 @@ from datetime import UTC, datetime, timedelta
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from django.db.models import Avg, Count, Sum
 from redis.exceptions import RedisError
 
+from apps.console import live
 from apps.deployments.autoscaling import load
 from apps.deployments.models import Deployment
 from apps.usage.models import UsageRecord
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 STEP = 10.0
 KEEP = 360
 #: The Channels group every open dashboard joins.
-GROUP = "console"
+GROUP = live.GROUP
 
 
 def _key() -> str:
@@ -71,7 +73,33 @@ def point(now: float | None = None) -> dict:
             "replicas": now_load.ready,
             "desired": d.replicas,
         }
-    return {"t": round(now, 3), "deployments": out}
+    return {"t": round(now, 3), "deployments": out, "figures": figures(end)}
+
+
+#: The deployments table's figures (throughput, time to first token) cover this much traffic.
+WINDOW = timedelta(minutes=5)
+
+
+def figures(end: datetime) -> dict[str, dict]:
+    """Each deployment's requests, tokens/s and mean time to first token over WINDOW; sent
+    with every point, so that no console queries usage itself."""
+    return {
+        row["deployment"]: {
+            "requests": row["n"],
+            "ttft_ms": row["ttft"],
+            "tokens_per_s": (row["tokens"] / (row["seconds"] / 1000)) if row["seconds"] else None,
+        }
+        for row in UsageRecord.objects.filter(
+            started_at__gte=end - WINDOW, started_at__lte=end, outcome__in=["ok", "migrated"]
+        )
+        .values("deployment")
+        .annotate(
+            n=Count("id"),
+            ttft=Avg("time_to_first_token_ms"),
+            tokens=Sum("completion_tokens"),
+            seconds=Sum("duration_ms"),
+        )
+    }
 
 
 def history() -> list[dict]:

@@ -1,10 +1,12 @@
-"""What the console's dashboard shows, as one JSON snapshot (the REST serializers' shapes)."""
+"""What the console's dashboard shows, as one JSON snapshot (the REST serializers' shapes).
+
+Only what changes with the fleet's rows: traffic figures come with the charts' points."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from django.db.models import Avg, Count, Q, Sum
+from django.db.models import Q
 from django.utils import timezone
 
 from apps.catalog.api.serializers import CatalogModelSerializer, QuantizeJobSerializer
@@ -14,10 +16,6 @@ from apps.deployments.models import Deployment
 from apps.deployments.placement import link_rows
 from apps.nodes.api.serializers import NodeSerializer
 from apps.nodes.models import Node
-from apps.usage.models import UsageRecord
-
-#: Figures (throughput, time to first token) cover this much recent traffic.
-WINDOW = timedelta(minutes=5)
 
 
 def snapshot() -> dict:
@@ -36,30 +34,13 @@ def snapshot() -> dict:
         .order_by("-created_at")[:20],
         many=True,
     ).data
-    since = timezone.now() - WINDOW
-    figures = {
-        row["deployment"]: {
-            "requests": row["n"],
-            "ttft_ms": row["ttft"],
-            "tokens_per_s": (row["tokens"] / (row["seconds"] / 1000)) if row["seconds"] else None,
-        }
-        for row in UsageRecord.objects.filter(started_at__gte=since, outcome__in=["ok", "migrated"])
-        .values("deployment")
-        .annotate(
-            n=Count("id"),
-            ttft=Avg("time_to_first_token_ms"),
-            tokens=Sum("completion_tokens"),
-            seconds=Sum("duration_ms"),
-        )
-    }
     deployments = DeploymentSerializer(
         Deployment.objects.exclude(state=Deployment.State.STOPPED)
-        .select_related("model")
-        .prefetch_related("replica_set__node", "events"),
+        .select_related("model", "autoscaling")
+        .prefetch_related("replica_set__node", "replica_set__plan__stages", "events"),
         many=True,
     ).data
     for d in deployments:
-        d["figures"] = figures.get(d["name"])
         # A split runs one file: every stage holds tensors of this one quantization.
         d["quantization"] = quantization_of.get(d["model"], "")
     in_plans = {s["node"] for d in deployments if d["plan"] for s in d["plan"].get("stages", ())}

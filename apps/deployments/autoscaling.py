@@ -146,7 +146,7 @@ def _set_replicas(d: Deployment, policy: ScalingPolicy, n: int, why: str) -> Non
     )
     d.replicas = n
     record_event(d, f"autoscaler: {before} -> {n} replica(s): {why}")
-    transaction.on_commit(lambda: reconcile_deployment.delay(d.pk))
+    reconcile_deployment.delay_on_commit(d.pk)
 
 
 # ---- waking from zero ----------------------------------------------------------------------

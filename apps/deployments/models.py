@@ -3,6 +3,7 @@ import uuid
 from django.db import models
 
 from apps.catalog.models import CatalogModel
+from apps.deployments import planner
 from apps.nodes.models import Node
 from controlplane.querysets import SignallingQuerySet
 
@@ -10,7 +11,9 @@ from controlplane.querysets import SignallingQuerySet
 class Deployment(models.Model):
     """What should run: a model as N replicas with a context window and batching slots."""
 
-    MAX_REPLICAS = 64
+    MAX_REPLICAS = planner.MAX_REPLICAS
+    MIN_CONTEXT, MAX_CONTEXT = planner.MIN_CONTEXT, planner.MAX_CONTEXT
+    MAX_PARALLEL = planner.MAX_PARALLEL
 
     class State(models.TextChoices):
         PENDING = "pending"

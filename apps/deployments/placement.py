@@ -135,6 +135,7 @@ def save(d: Deployment, plan: P.Plan) -> ShardPlan:
     stages = plan_fields.pop("stages")
     plan_fields.pop("error")  # a stored plan is never a refusal
     plan_fields.pop("copies")  # each copy is stored as a plan of its own
+    plan_fields.pop("short")  # also among the warnings
     sp = ShardPlan.objects.create(deployment=d, **plan_fields)
     for i, fields in enumerate(stages):
         node = nodes[fields.pop("node")]

@@ -36,6 +36,11 @@ SLOW_RTT_MS = 2.0
 THIN_MBIT = 1000.0
 
 SPLIT_MODES = ("auto", "none", "layer", "tensor")
+#: Bounds of a deployment (the API, the services and the planner all read these).
+MAX_REPLICAS = 64
+MIN_CONTEXT = 16
+MAX_CONTEXT = 1 << 20
+MAX_PARALLEL = 256
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,8 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     error: str = ""
+    #: Why fewer replicas than asked for were placed now (also among the warnings).
+    short: str = ""
     #: Further copies of a split (each its own head and stages, on nodes no other copy uses).
     copies: list[Plan] = field(default_factory=list)
 
@@ -262,8 +269,8 @@ def plan(
     links = links or {}
     if r.split_mode not in SPLIT_MODES:
         return Plan("refused", error=f"split_mode must be one of: {', '.join(SPLIT_MODES)}")
-    if not 1 <= r.replicas <= 64:
-        return Plan("refused", error="replicas must be between 1 and 64")
+    if not 1 <= r.replicas <= MAX_REPLICAS:
+        return Plan("refused", error=f"replicas must be between 1 and {MAX_REPLICAS}")
     usable = [n for n in nodes if n.ready and not n.draining]
     if r.pin_nodes:
         by_name = {n.name: n for n in nodes}
@@ -326,10 +333,11 @@ def _replicas(m: ModelFacts, r: Request, fits: list[NodeState], whole: int) -> P
     )
     if len(stages) < r.replicas:
         best = max(fits, key=lambda n: free[n.name])
-        p.warnings.append(
+        p.short = (
             f"only {len(stages)} of {r.replicas} replica(s) fit now: each needs {gib(whole)}, "
             f"the node with the most room left ({best.name}) has {gib(max(free[best.name], 0))}"
         )
+        p.warnings.append(p.short)
     _note_accelerators(p)
     return p
 

@@ -4,6 +4,7 @@ from celery import shared_task
 
 from apps.deployments import autoscaling, services
 from apps.deployments.models import Deployment, Replica
+from apps.nodes import agent_client
 from apps.nodes.models import Node
 from controlplane.celery import every
 
@@ -15,8 +16,8 @@ def reconcile_deployment(deployment_id: int) -> None:
 
 
 @shared_task(
-    time_limit=services.LOAD_TIMEOUT_SECONDS + 60,
-    soft_time_limit=services.LOAD_TIMEOUT_SECONDS + 30,
+    time_limit=agent_client.LOAD_TIMEOUT + 60,
+    soft_time_limit=agent_client.LOAD_TIMEOUT + 30,
 )
 def load_replica(replica_id: str) -> None:
     """LoadModel on the replica's node."""

@@ -1,10 +1,11 @@
 from django.contrib import admin
 
 from apps.nodes.models import Node, NodeLink
+from controlplane.admin import ReadOnlyAdmin
 
 
 @admin.register(Node)
-class NodeAdmin(admin.ModelAdmin):
+class NodeAdmin(ReadOnlyAdmin):
     list_display = (
         "name",
         "address",
@@ -19,12 +20,9 @@ class NodeAdmin(admin.ModelAdmin):
         "last_heartbeat_at",
     )
     list_filter = ("state", "draining")
-    list_editable = ("price_per_hour",)
     search_fields = ("name", "address")
-    readonly_fields = ("registered_at", "last_heartbeat_at", "reported_replicas")
 
 
 @admin.register(NodeLink)
-class NodeLinkAdmin(admin.ModelAdmin):
+class NodeLinkAdmin(ReadOnlyAdmin):
     list_display = ("source", "target", "rtt_ms", "mbit_s", "error", "measured_at")
-    readonly_fields = [f.name for f in NodeLink._meta.fields]

@@ -13,10 +13,19 @@ from django.conf import settings
 from llamafleet.agent.v1 import agent_pb2_grpc
 
 from workers import tls
+from workers.engine import errors
 
-ERROR_METADATA_KEY = "llamafleet-error-code"
 _sync_channels: dict[tuple, grpc.Channel] = {}
 _aio_channels: dict[tuple, grpc.aio.Channel] = {}
+
+
+#: Deadlines of the control plane's calls to agents, in seconds (the serving path's own is
+#: settings.REQUEST_TIMEOUT_SECONDS).
+STATUS_TIMEOUT = 3.0  # GetStatus: is the agent there at all
+CONTROL_TIMEOUT = 30.0  # FreeMemory, StopRpcServer
+START_TIMEOUT = 60.0  # StartRpcServer, CheckRpcServers, MeasureLink (a transfer)
+PROBE_TIMEOUT = 120.0  # one token through a split just loaded
+LOAD_TIMEOUT = 900  # LoadModel, the model's download included
 
 
 def metadata() -> tuple[tuple[str, str], ...]:
@@ -43,10 +52,10 @@ def aio_stub(address: str) -> agent_pb2_grpc.NodeAgentStub:
     return agent_pb2_grpc.NodeAgentStub(channel)
 
 
-def error_code(exc: grpc.RpcError) -> str:
-    """The agent's machine-readable ErrorCode name of a failed call, or ""."""
+def error_code(exc: grpc.RpcError) -> int:
+    """The agent's ErrorCode value for a failed call (UNSPECIFIED when it sent none)."""
     try:
         trailing = exc.trailing_metadata() or ()
     except Exception:  # a call that never reached the agent has no trailers
-        return ""
-    return dict(trailing).get(ERROR_METADATA_KEY, "")
+        return errors.UNSPECIFIED
+    return errors.code_of(dict(trailing).get(errors.METADATA_KEY, ""))

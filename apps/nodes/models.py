@@ -1,5 +1,6 @@
 from django.db import models
 
+from controlplane.jobs import Job
 from controlplane.querysets import SignallingQuerySet
 
 
@@ -9,6 +10,15 @@ class Node(models.Model):
     class State(models.TextChoices):
         READY = "ready"
         UNREACHABLE = "unreachable"
+
+    class ReportedState(models.TextChoices):
+        """A replica's state as its agent reports it (in reported_replicas)."""
+
+        LOADING = "loading"
+        READY = "ready"
+        FAILED = "failed"
+        STOPPING = "stopping"
+        UNKNOWN = "unknown"
 
     name = models.CharField(max_length=100, unique=True)
     address = models.CharField(max_length=255, help_text="host:port of the agent's gRPC server")
@@ -52,6 +62,24 @@ class Node(models.Model):
 
     def __str__(self):
         return self.name
+
+
+class LinkJob(Job):
+    """One round of link measurements between ready nodes (all of them, or those named),
+    with its progress in node pairs. The hourly schedule and POST .../measure-links/ make
+    one; GET /api/v1/link-jobs/<id>/ follows it."""
+
+    PROGRESS = ("pairs_done", "pairs_total")
+
+    nodes = models.JSONField(default=list, blank=True, help_text="Names; [] for every node.")
+    pairs_done = models.PositiveIntegerField(default=0)
+    pairs_total = models.PositiveIntegerField(default=0)
+
+    class Meta(Job.Meta):
+        pass
+
+    def __str__(self):
+        return f"link measurements #{self.pk} ({self.state})"
 
 
 class NodeLink(models.Model):

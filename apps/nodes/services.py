@@ -23,17 +23,17 @@ from controlplane.db import bulk_update, relaxed_commit
 from controlplane.errors import Conflict, DomainError
 from controlplane.redis import client, sync_client
 from controlplane.redis import key as redis_key
+from workers.engine import errors
 
 log = logging.getLogger(__name__)
 
 #: Seconds the sweep waits for a quiet node's agent to answer before calling it unreachable.
-PROBE_TIMEOUT = 3.0
 
-_STATE_NAMES = {
-    "REPLICA_STATE_LOADING": "loading",
-    "REPLICA_STATE_READY": "ready",
-    "REPLICA_STATE_FAILED": "failed",
-    "REPLICA_STATE_STOPPING": "stopping",
+_REPORTED = {
+    "REPLICA_STATE_LOADING": Node.ReportedState.LOADING,
+    "REPLICA_STATE_READY": Node.ReportedState.READY,
+    "REPLICA_STATE_FAILED": Node.ReportedState.FAILED,
+    "REPLICA_STATE_STOPPING": Node.ReportedState.STOPPING,
 }
 
 
@@ -55,7 +55,7 @@ def _parse(payload: dict) -> tuple[str, dict, list[dict], str]:
         {
             "replica_id": r.replica_id,
             "model_name": r.model_name,
-            "state": _STATE_NAMES.get(pb.ReplicaState.Name(r.state), "unknown"),
+            "state": _REPORTED.get(pb.ReplicaState.Name(r.state), Node.ReportedState.UNKNOWN),
             "error": r.error,
             "memory_bytes": r.memory_bytes,
             "in_flight": r.in_flight,
@@ -291,7 +291,9 @@ def _probe(node: Node) -> dict | None:
 
     try:
         status = agent_client.stub(node.address).GetStatus(
-            pb.GetStatusRequest(), metadata=agent_client.metadata(), timeout=PROBE_TIMEOUT
+            pb.GetStatusRequest(),
+            metadata=agent_client.metadata(),
+            timeout=agent_client.STATUS_TIMEOUT,
         )
     except grpc.RpcError:
         return None
@@ -328,40 +330,95 @@ def set_draining(node: Node, draining: bool) -> Node:
 LINK_SAMPLE = 8
 
 
-def measure_links(node_names: list[str] | None = None) -> int:
-    """Ask each ready node's agent to measure its links to the others (every pair up to
-    LINK_SAMPLE + 1 nodes, else LINK_SAMPLE random peers each); store the results. The
-    planner reads them to choose heads and warn about slow links."""
+#: A round of link measurements may run 15 minutes (its task's time limit).
+LINK_JOB_LEASE_SECONDS = 900 + 120
+
+
+def link_pairs(node_names: list[str] | None = None) -> list[tuple[Node, Node]]:
+    """Which links to measure: every ordered pair of ready nodes up to LINK_SAMPLE + 1 of
+    them, else LINK_SAMPLE random peers for each."""
     import random
 
+    nodes = list(Node.objects.filter(state=Node.State.READY))
+    if node_names:
+        nodes = [n for n in nodes if n.name in set(node_names)]
+    pairs = []
+    for src in nodes:
+        peers = [n for n in nodes if n.pk != src.pk]
+        if len(peers) > LINK_SAMPLE:
+            peers = random.sample(peers, LINK_SAMPLE)
+        pairs.extend((src, dst) for dst in peers)
+    return pairs
+
+
+def _measure_pair(src: Node, dst: Node) -> None:
+    """Have src's agent measure its link to dst, and store the result (a failure included:
+    the planner then knows the path is not usable)."""
     import grpc
     from llamafleet.agent.v1 import agent_pb2 as pb
 
     from apps.nodes import agent_client
     from apps.nodes.models import NodeLink
 
-    nodes = list(Node.objects.filter(state=Node.State.READY))
-    if node_names:
-        nodes = [n for n in nodes if n.name in set(node_names)]
-    count = 0
-    for src in nodes:
-        peers = [n for n in nodes if n.pk != src.pk]
-        if len(peers) > LINK_SAMPLE:
-            peers = random.sample(peers, LINK_SAMPLE)
-        for dst in peers:
-            try:
-                m = agent_client.stub(src.address).MeasureLink(
-                    pb.MeasureLinkRequest(target=dst.address),
-                    metadata=agent_client.metadata(),
-                    timeout=60,
-                )
-                values = {"rtt_ms": m.rtt_ms, "mbit_s": m.mbit_s, "error": m.error}
-                if m.error:
-                    values.update(rtt_ms=None, mbit_s=None)
-            except grpc.RpcError as exc:
-                values = {"rtt_ms": None, "mbit_s": None, "error": f"{src.name}: {exc.details()}"}
-            NodeLink.objects.update_or_create(
-                source=src, target=dst, defaults={**values, "measured_at": timezone.now()}
-            )
-            count += 1
-    return count
+    try:
+        m = agent_client.stub(src.address).MeasureLink(
+            pb.MeasureLinkRequest(target=dst.address),
+            metadata=agent_client.metadata(),
+            timeout=agent_client.START_TIMEOUT,
+        )
+        values = {"rtt_ms": m.rtt_ms, "mbit_s": m.mbit_s, "error": m.error}
+        if m.error:
+            values.update(rtt_ms=None, mbit_s=None)
+    except grpc.RpcError as exc:
+        why = f"{src.name}: {errors.describe(exc)}"
+        values = {"rtt_ms": None, "mbit_s": None, "error": why}
+    NodeLink.objects.update_or_create(
+        source=src, target=dst, defaults={**values, "measured_at": timezone.now()}
+    )
+
+
+def measure_links(node_names: list[str] | None = None, on_pair=None) -> int:
+    """Measure the links between ready nodes (see link_pairs) and store them; the planner
+    reads them to choose heads and warn about slow links. on_pair(done, total) follows."""
+    pairs = link_pairs(node_names)
+    for i, (src, dst) in enumerate(pairs, 1):
+        _measure_pair(src, dst)
+        if on_pair is not None:
+            on_pair(i, len(pairs))
+    return len(pairs)
+
+
+def start_link_job(node_names: list[str] | None = None):
+    """Record a round of link measurements and send it to a worker once committed."""
+    from apps.nodes.models import LinkJob
+    from apps.nodes.tasks import measure_links as task
+
+    with transaction.atomic():
+        job = LinkJob.objects.create(nodes=list(node_names or []))
+        task.delay_on_commit(job.pk)
+    return job
+
+
+def run_link_job(job_id: int):
+    """Run a round of link measurements: claimed with a lease, its progress written per
+    pair, and ended DONE or FAILED (with the reason) whatever happens on the way."""
+    from apps.nodes.models import LinkJob
+
+    if not LinkJob.claim(job_id, LINK_JOB_LEASE_SECONDS, phase="measuring"):
+        return LinkJob.objects.get(pk=job_id)  # another worker has it, or it ran already
+    job = LinkJob.objects.get(pk=job_id)
+
+    def progress(done: int, total: int) -> None:
+        LinkJob.objects.filter(pk=job_id).update(pairs_done=done, pairs_total=total)
+
+    try:
+        total = len(link_pairs(job.nodes))
+        LinkJob.objects.filter(pk=job_id).update(pairs_total=total)
+        measure_links(job.nodes, on_pair=progress)
+    except BaseException as exc:  # a soft time limit too: the job must not stay running
+        LinkJob.end(job_id, error=f"{type(exc).__name__}: {exc}", phase="failed")
+        if not isinstance(exc, Exception):
+            raise
+    else:
+        LinkJob.end(job_id, phase="done")
+    return LinkJob.objects.get(pk=job_id)

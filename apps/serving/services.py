@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -37,6 +37,7 @@ from apps.usage.services import (
     check_quota,
     record_soon,
 )
+from workers.engine import errors
 
 log = logging.getLogger(__name__)
 
@@ -219,13 +220,13 @@ async def served_models() -> list[dict]:
 
 def _error_from_rpc(exc: grpc.aio.AioRpcError) -> ServingError:
     code = agent_client.error_code(exc)
-    if code == "CONTEXT_LENGTH_EXCEEDED":
+    if code == errors.CONTEXT_LENGTH_EXCEEDED:
         return ServingError(400, exc.details(), code="context_length_exceeded", param="messages")
-    if code == "INVALID_SCHEMA":
+    if code == errors.INVALID_SCHEMA:
         return ServingError(400, exc.details(), code="invalid_schema", param="response_format")
-    if code == "INVALID_ARGUMENT":
+    if code == errors.INVALID_ARGUMENT:
         return ServingError(400, exc.details())
-    if code == "OVERLOADED":
+    if code == errors.OVERLOADED:
         return ServingError(429, exc.details(), "rate_limit_error", "overloaded", retry_after=1)
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ServingError(
@@ -236,7 +237,7 @@ def _error_from_rpc(exc: grpc.aio.AioRpcError) -> ServingError:
         )
     return ServingError(
         503,
-        f"the replica failed: {exc.details() or exc.code().name}",
+        f"the replica failed: {errors.describe(exc)}",
         "server_error",
         "replica_failed",
     )
@@ -245,9 +246,9 @@ def _error_from_rpc(exc: grpc.aio.AioRpcError) -> ServingError:
 def _replica_lost(exc: grpc.aio.AioRpcError) -> bool:
     """Whether the replica (not the request) failed, so another replica may serve it."""
     code = agent_client.error_code(exc)
-    if code in ("ENGINE_FAILED", "REPLICA_NOT_FOUND", "DRAINING"):
+    if code in (errors.ENGINE_FAILED, errors.REPLICA_NOT_FOUND, errors.DRAINING):
         return True
-    return not code and exc.code() == grpc.StatusCode.UNAVAILABLE
+    return code == errors.UNSPECIFIED and exc.code() == grpc.StatusCode.UNAVAILABLE
 
 
 class Generation:
@@ -464,34 +465,58 @@ async def _targets_or_error(model: str, hashes: list[str] = ()) -> list[Target]:
     return targets
 
 
+class _Meter:
+    """One request's accounting (see metered)."""
+
+    def __init__(self, caller: Caller | None, endpoint: str, model: str):
+        self.model = model
+        self.usage = Usage(uuid.uuid4().hex, caller, endpoint, model)
+        self.began = time.monotonic()
+        # Metric labels name only served models: a client's string must not become a label.
+        self.label = metrics.model_label(model)
+
+    def routed(self) -> None:
+        """The model proved to be served: its name may label metrics."""
+        self.label = metrics.known_model(self.model)
+
+    def served_by(self, targets: list[Target]) -> None:
+        self.usage.deployment = targets[0].deployment
+        self.usage.replicas = [t.replica_id for t in targets]
+        self.usage.nodes = [t.node_name for t in targets]
+
+
+@asynccontextmanager
+async def metered(caller: Caller | None, endpoint: str, model: str) -> AsyncIterator[_Meter]:
+    """Every exit of a request metered the same way, whatever the endpoint: a usage record
+    (written in the background), the request counter, and the error counter with its code
+    when a ServingError ends it (429s count as rejected)."""
+    m = _Meter(caller, endpoint, model)
+    try:
+        yield m
+    except ServingError as err:
+        m.usage.outcome = "rejected" if err.status == 429 else "error"
+        m.usage.error_code = err.code or err.type
+        if err.code == "no_replica":
+            m.routed()
+        metrics.ERRORS.labels(m.label, m.usage.error_code).inc()
+        raise
+    finally:
+        m.usage.duration = time.monotonic() - m.began
+        metrics.REQUESTS.labels(m.label, m.usage.deployment, m.usage.outcome).inc()
+        record_soon(m.usage)
+
+
 async def embed(
     model: str, texts: list[str], caller: Caller | None = None
 ) -> tuple[list[list[float]], int, Target]:
     """Embeddings of texts from one replica of the model (another if it fails), metered."""
-    usage = Usage(uuid.uuid4().hex, caller, "embedding", model)
-    began = time.monotonic()
-    label = metrics.model_label(model)
-    try:
-        await check_quota_or_429(caller, usage.request_id)
+    async with metered(caller, "embedding", model) as m:
+        await check_quota_or_429(caller, m.usage.request_id)
         vectors, n_tokens, target = await _embed(model, texts)
-    except ServingError as err:
-        usage.outcome = "rejected" if err.status == 429 else "error"
-        usage.error_code = err.code or err.type
-        label = metrics.known_model(model) if err.code == "no_replica" else label
-        raise
-    else:
-        label = metrics.known_model(model)
-        usage.outcome, usage.prompt_tokens = "ok", n_tokens
-        usage.deployment, usage.replicas, usage.nodes = (
-            target.deployment,
-            [target.replica_id],
-            [target.node_name],
-        )
+        m.routed()
+        m.served_by([target])
+        m.usage.outcome, m.usage.prompt_tokens = "ok", n_tokens
         return vectors, n_tokens, target
-    finally:
-        usage.duration = time.monotonic() - began
-        metrics.REQUESTS.labels(label, usage.deployment, usage.outcome).inc()
-        record_soon(usage)
 
 
 async def _embed(model: str, texts: list[str]) -> tuple[list[list[float]], int, Target]:
@@ -546,56 +571,44 @@ async def generate(
 ) -> AsyncIterator[Generation | Piece | Finished]:
     """The whole serving path with accounting: the Generation once routed, then its events.
 
-    Every exit is metered (a usage record, written in the background) and counted in the
-    metrics: finished, migrated, cancelled (the consumer stopped early), rejected (429) or
-    failed (ServingError propagates to the caller).
+    Every exit is metered (see metered): finished, migrated, cancelled (the consumer stopped
+    early), rejected (429) or failed (ServingError propagates to the caller).
     """
-    usage = Usage(uuid.uuid4().hex, caller, endpoint, params.model)
-    began = time.monotonic()
     slot: _Slot | None = None
     gen: Generation | None = None
     finished: Finished | None = None
-    # Metric labels name only served models: a client's string must not become a label.
-    label = metrics.model_label(params.model)
-    try:
-        usage.reserved = await check_quota_or_429(
-            caller, usage.request_id, params.max_tokens or settings.QUOTA_RESERVE_TOKENS
-        )
-        # Recorded on arrival, completed at the end: a web process killed while the request
-        # waits for a slot or streams leaves its record, for the sweeper to settle.
-        admit_soon(replace(usage))
-        slot = _Slot()
-        gen = await start_generation(params, usage.request_id)
-        label = metrics.known_model(params.model)
-        slot.routed(label)
-        yield gen
-        async with aclosing(gen.events()) as events:
-            async for ev in events:
-                if isinstance(ev, Finished):
-                    finished = ev
-                    usage.outcome = "migrated" if ev.migrations else "ok"
-                    _observe(params.model, gen.target.deployment, ev)
-                yield ev
-    except ServingError as err:
-        usage.outcome = "rejected" if err.status == 429 else "error"
-        usage.error_code = err.code or err.type
-        label = metrics.known_model(params.model) if err.code == "no_replica" else label
-        metrics.ERRORS.labels(label, usage.error_code).inc()
-        raise
-    finally:
-        if slot is not None:
-            slot.free()
-        usage.duration = time.monotonic() - began
-        if gen is not None and gen.served:
-            usage.deployment = gen.served[0].deployment
-            usage.replicas = [t.replica_id for t in gen.served]
-            usage.nodes = [t.node_name for t in gen.served]
-            usage.prompt_tokens = gen.prompt_tokens
-            usage.completion_tokens = finished.completion_tokens if finished else len(gen.token_ids)
-            if gen.first_token_at:
-                usage.time_to_first_token = gen.first_token_at - began
-        metrics.REQUESTS.labels(label, usage.deployment, usage.outcome).inc()
-        record_soon(usage)
+    async with metered(caller, endpoint, params.model) as m:
+        usage = m.usage
+        try:
+            usage.reserved = await check_quota_or_429(
+                caller, usage.request_id, params.max_tokens or settings.QUOTA_RESERVE_TOKENS
+            )
+            # Recorded on arrival, completed at the end: a web process killed while the
+            # request waits for a slot or streams leaves its record, for the sweeper to settle.
+            admit_soon(replace(usage))
+            slot = _Slot()
+            gen = await start_generation(params, usage.request_id)
+            m.routed()
+            slot.routed(m.label)
+            yield gen
+            async with aclosing(gen.events()) as events:
+                async for ev in events:
+                    if isinstance(ev, Finished):
+                        finished = ev
+                        usage.outcome = "migrated" if ev.migrations else "ok"
+                        _observe(params.model, gen.target.deployment, ev)
+                    yield ev
+        finally:
+            if slot is not None:
+                slot.free()
+            if gen is not None and gen.served:
+                m.served_by(gen.served)
+                usage.prompt_tokens = gen.prompt_tokens
+                usage.completion_tokens = (
+                    finished.completion_tokens if finished else len(gen.token_ids)
+                )
+                if gen.first_token_at:
+                    usage.time_to_first_token = gen.first_token_at - m.began
 
 
 def _observe(model: str, deployment: str, f: Finished) -> None:

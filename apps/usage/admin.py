@@ -1,10 +1,11 @@
 from django.contrib import admin
 
 from apps.usage.models import NodeUsage, Report, UsageRecord
+from controlplane.admin import ReadOnlyAdmin
 
 
 @admin.register(UsageRecord)
-class UsageRecordAdmin(admin.ModelAdmin):
+class UsageRecordAdmin(ReadOnlyAdmin):
     list_display = (
         "started_at",
         "app",
@@ -22,13 +23,13 @@ class UsageRecordAdmin(admin.ModelAdmin):
 
 
 @admin.register(NodeUsage)
-class NodeUsageAdmin(admin.ModelAdmin):
+class NodeUsageAdmin(ReadOnlyAdmin):
     list_display = ("hour", "node", "seconds", "cost", "currency", "memory_total_bytes")
     list_filter = ("node",)
     date_hierarchy = "hour"
 
 
 @admin.register(Report)
-class ReportAdmin(admin.ModelAdmin):
+class ReportAdmin(ReadOnlyAdmin):
     list_display = ("kind", "start", "end", "generated_at")
     list_filter = ("kind",)

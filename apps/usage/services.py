@@ -466,48 +466,63 @@ def _per_million(cost: Decimal, tokens: int) -> float | None:
     return _money(cost * 1_000_000 / tokens) if tokens else None
 
 
-def build_report(start: datetime, end: datetime) -> dict:
-    """Usage and cost over [start, end) from stored records only (so it is reproducible).
+#: A report's usage figures per group, before costs.
+_EMPTY = {"requests": 0, "errors": 0, "prompt_tokens": 0, "completion_tokens": 0, "tokens": 0}
 
-    Node cost is split among deployments by the memory-time their replicas held on the node;
-    what no replica held is idle cost, shown apart. A deployment's cost is split among keys
-    by their share of its tokens.
-    """
-    currency = settings.BILLING_CURRENCY
-    records = UsageRecord.objects.filter(started_at__gte=start, started_at__lt=end)
+
+def _usage_rows(records, *group) -> dict:
+    """Requests, errors and tokens of the records, per value (or tuple) of `group`."""
     fields = {
         "requests": Count("id"),
-        "errors": Count("id", filter=Q(outcome__in=["error", "rejected"])),
+        "errors": Count(
+            "id", filter=Q(outcome__in=[UsageRecord.Outcome.ERROR, UsageRecord.Outcome.REJECTED])
+        ),
         "prompt_tokens": Sum("prompt_tokens"),
         "completion_tokens": Sum("completion_tokens"),
     }
+    out = {}
+    for row in records.values(*group).annotate(**fields).order_by(*group):
+        name = tuple(row.pop(g) for g in group)
+        row = {k: int(v or 0) for k, v in row.items()}
+        row["tokens"] = row["prompt_tokens"] + row["completion_tokens"]
+        out[name if len(name) > 1 else name[0]] = row
+    return out
 
-    def rows(*group):
-        out = {}
-        for row in records.values(*group).annotate(**fields).order_by(*group):
-            name = tuple(row.pop(g) for g in group)
-            row = {k: int(v or 0) for k, v in row.items()}
-            row["tokens"] = row["prompt_tokens"] + row["completion_tokens"]
-            out[name if len(name) > 1 else name[0]] = row
-        return out
 
-    by_model, by_deployment = rows("model"), rows("deployment")
-    by_key = rows("api_key_id", "app")
-    by_node_requests = {}
+def _served_by_node(records) -> dict[str, dict]:
+    """Requests and completion tokens each node took part in."""
+    out: dict[str, dict] = {}
     for nodes, n in records.values_list("nodes", "completion_tokens"):
         for name in set(nodes or []):
-            entry = by_node_requests.setdefault(name, {"requests": 0, "completion_tokens": 0})
+            entry = out.setdefault(name, {"requests": 0, "completion_tokens": 0})
             entry["requests"] += 1
             entry["completion_tokens"] += n
+    return out
 
-    dep_cost: dict[str, Decimal] = {}
-    dep_hours: dict[str, float] = {}
-    dep_model: dict[str, str] = {}
-    nodes: dict[str, dict] = {}
-    idle, warnings = Decimal(0), []
+
+@dataclass
+class _NodeCosts:
+    """Node-hours and their cost, split among the deployments that held memory on them."""
+
+    dep_cost: dict[str, Decimal] = field(default_factory=dict)
+    dep_hours: dict[str, float] = field(default_factory=dict)
+    dep_model: dict[str, str] = field(default_factory=dict)
+    nodes: dict[str, dict] = field(default_factory=dict)
+    idle: Decimal = Decimal(0)
+    warnings: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def blank_node() -> dict:
+        return {"node_hours": 0.0, "cost": Decimal(0), "idle_cost": Decimal(0), "held_hours": 0.0}
+
+
+def _node_costs(start: datetime, end: datetime, currency: str) -> _NodeCosts:
+    """Each node-hour's cost, split by the memory-time each deployment's replicas held on the
+    node; what none held is idle cost."""
+    c = _NodeCosts()
     for u in NodeUsage.objects.filter(hour__gte=start, hour__lt=end):
         if u.currency != currency:
-            warnings.append(f"{u.node_name}: priced in {u.currency}, not {currency}; left out")
+            c.warnings.append(f"{u.node_name}: priced in {u.currency}, not {currency}; left out")
             continue
         capacity = u.memory_total_bytes * u.seconds
         shares = {
@@ -518,76 +533,65 @@ def build_report(start: datetime, end: datetime) -> dict:
             shares = {dep: s / total for dep, s in shares.items()}
             total = 1.0
         for dep, share in shares.items():
-            dep_cost[dep] = dep_cost.get(dep, Decimal(0)) + u.cost * Decimal(str(share))
-            dep_hours[dep] = dep_hours.get(dep, 0.0) + u.seconds / 3600 * share
-            dep_model[dep] = u.held[dep]["model"]
+            c.dep_cost[dep] = c.dep_cost.get(dep, Decimal(0)) + u.cost * Decimal(str(share))
+            c.dep_hours[dep] = c.dep_hours.get(dep, 0.0) + u.seconds / 3600 * share
+            c.dep_model[dep] = u.held[dep]["model"]
         node_idle = u.cost * Decimal(str(1 - total))
-        idle += node_idle
-        n = nodes.setdefault(
-            u.node_name,
-            {"node_hours": 0.0, "cost": Decimal(0), "idle_cost": Decimal(0), "held_hours": 0.0},
-        )
+        c.idle += node_idle
+        n = c.nodes.setdefault(u.node_name, _NodeCosts.blank_node())
         n["node_hours"] += u.seconds / 3600
         n["cost"] += u.cost
         n["idle_cost"] += node_idle
         n["held_hours"] += u.seconds / 3600 * total
+    return c
 
-    def finish(row: dict, cost: Decimal, hours: float | None = None) -> dict:
-        row = dict(row)
-        row["cost"] = _money(cost)
-        row["cost_per_million_tokens"] = _per_million(cost, row.get("tokens", 0))
-        if hours is not None:
-            row["node_hours"] = round(hours, 6)
-        return row
 
-    empty = {"requests": 0, "errors": 0, "prompt_tokens": 0, "completion_tokens": 0, "tokens": 0}
-    deployments = {
-        dep: finish(
-            by_deployment.get(dep, empty), dep_cost.get(dep, Decimal(0)), dep_hours.get(dep, 0.0)
-        )
-        for dep in sorted(set(by_deployment) | set(dep_cost))
-        if dep
-    }
-    model_cost: dict[str, Decimal] = {}
-    for dep, cost in dep_cost.items():
-        model_cost[dep_model[dep]] = model_cost.get(dep_model[dep], Decimal(0)) + cost
-    models = {
-        m: finish(by_model.get(m, empty), model_cost.get(m, Decimal(0)))
-        for m in sorted(set(by_model) | set(model_cost))
-    }
-    # Keys: each deployment's cost by the key's share of its tokens.
+def _with_cost(row: dict, cost: Decimal, hours: float | None = None) -> dict:
+    row = dict(row)
+    row["cost"] = _money(cost)
+    row["cost_per_million_tokens"] = _per_million(cost, row.get("tokens", 0))
+    if hours is not None:
+        row["node_hours"] = round(hours, 6)
+    return row
+
+
+def _key_rows(records, by_key: dict, by_deployment: dict, dep_cost: dict) -> list[dict]:
+    """Each key's usage, and each deployment's cost by the key's share of its tokens."""
     key_cost: dict[tuple, Decimal] = {}
-    for (key_id, app, dep), row in rows("api_key_id", "app", "deployment").items():
+    for (key_id, app, dep), row in _usage_rows(records, "api_key_id", "app", "deployment").items():
         dep_tokens = by_deployment.get(dep, {}).get("tokens", 0)
         if dep_tokens and dep in dep_cost:
             share = Decimal(row["tokens"]) / Decimal(dep_tokens)
             key_cost[(key_id, app)] = (
                 key_cost.get((key_id, app), Decimal(0)) + dep_cost[dep] * share
             )
-    keys = [
-        {"api_key_id": key_id, "app": app} | finish(row, key_cost.get((key_id, app), Decimal(0)))
+    return [
+        {"api_key_id": key_id, "app": app}
+        | _with_cost(row, key_cost.get((key_id, app), Decimal(0)))
         for (key_id, app), row in sorted(
             by_key.items(), key=lambda kv: (str(kv[0][1]), str(kv[0][0]))
         )
     ]
-    node_rows = {}
-    for name in sorted(set(nodes) | set(by_node_requests)):
-        n = nodes.get(
-            name,
-            {"node_hours": 0.0, "cost": Decimal(0), "idle_cost": Decimal(0), "held_hours": 0.0},
-        )
-        served = by_node_requests.get(name, {"requests": 0, "completion_tokens": 0})
-        node_rows[name] = {
+
+
+def _node_rows(costs: _NodeCosts, served: dict[str, dict]) -> dict[str, dict]:
+    rows = {}
+    for name in sorted(set(costs.nodes) | set(served)):
+        n = costs.nodes.get(name, _NodeCosts.blank_node())
+        s = served.get(name, {"requests": 0, "completion_tokens": 0})
+        rows[name] = {
             "node_hours": round(n["node_hours"], 6),
             "cost": _money(n["cost"]),
             "idle_cost": _money(n["idle_cost"]),
             "utilisation": round(n["held_hours"] / n["node_hours"], 6) if n["node_hours"] else 0.0,
-            "requests": served["requests"],
-            "completion_tokens": served["completion_tokens"],
+            "requests": s["requests"],
+            "completion_tokens": s["completion_tokens"],
         }
-    total_cost = sum((n["cost"] for n in nodes.values()), Decimal(0))
-    all_tokens = sum(r["tokens"] for r in by_model.values())
-    # Over time: hours for a day or less, days beyond.
+    return rows
+
+
+def _over_time(records, start: datetime, end: datetime, currency: str) -> list[dict]:
+    """Cost and tokens per hour for a day or less, per day beyond."""
     step = timedelta(hours=1) if end - start <= timedelta(days=1) else timedelta(days=1)
     trunc = TruncHour if step == timedelta(hours=1) else TruncDay
     cost_at: dict[datetime, Decimal] = {}
@@ -610,6 +614,40 @@ def build_report(start: datetime, end: datetime) -> dict:
             }
         )
         at += step
+    return series
+
+
+def build_report(start: datetime, end: datetime) -> dict:
+    """Usage and cost over [start, end) from stored records only (so it is reproducible).
+
+    Node cost is split among deployments by the memory-time their replicas held on the node;
+    what no replica held is idle cost, shown apart. A deployment's cost is split among keys
+    by their share of its tokens.
+    """
+    currency = settings.BILLING_CURRENCY
+    records = UsageRecord.objects.filter(started_at__gte=start, started_at__lt=end)
+    by_model, by_deployment = _usage_rows(records, "model"), _usage_rows(records, "deployment")
+    costs = _node_costs(start, end, currency)
+    deployments = {
+        dep: _with_cost(
+            by_deployment.get(dep, _EMPTY),
+            costs.dep_cost.get(dep, Decimal(0)),
+            costs.dep_hours.get(dep, 0.0),
+        )
+        for dep in sorted(set(by_deployment) | set(costs.dep_cost))
+        if dep
+    }
+    model_cost: dict[str, Decimal] = {}
+    for dep, cost in costs.dep_cost.items():
+        m = costs.dep_model[dep]
+        model_cost[m] = model_cost.get(m, Decimal(0)) + cost
+    models = {
+        m: _with_cost(by_model.get(m, _EMPTY), model_cost.get(m, Decimal(0)))
+        for m in sorted(set(by_model) | set(model_cost))
+    }
+    by_key = _usage_rows(records, "api_key_id", "app")
+    total_cost = sum((n["cost"] for n in costs.nodes.values()), Decimal(0))
+    all_tokens = sum(r["tokens"] for r in by_model.values())
     return {
         "start": start.isoformat(),
         "end": end.isoformat(),
@@ -618,17 +656,17 @@ def build_report(start: datetime, end: datetime) -> dict:
             "requests": sum(r["requests"] for r in by_model.values()),
             "errors": sum(r["errors"] for r in by_model.values()),
             "tokens": all_tokens,
-            "node_hours": round(sum(n["node_hours"] for n in nodes.values()), 6),
+            "node_hours": round(sum(n["node_hours"] for n in costs.nodes.values()), 6),
             "cost": _money(total_cost),
-            "idle_cost": _money(idle),
+            "idle_cost": _money(costs.idle),
             "cost_per_million_tokens": _per_million(total_cost, all_tokens),
         },
         "by_model": models,
         "by_deployment": deployments,
-        "by_key": keys,
-        "by_node": node_rows,
-        "series": series,
-        "warnings": warnings,
+        "by_key": _key_rows(records, by_key, by_deployment, costs.dep_cost),
+        "by_node": _node_rows(costs, _served_by_node(records)),
+        "series": _over_time(records, start, end, currency),
+        "warnings": costs.warnings,
     }
 
 

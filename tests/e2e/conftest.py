@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, stack_module
 
 
 @pytest.fixture(scope="module")
@@ -56,5 +56,5 @@ def stack(tmp_path_factory, smollm2_path):
             timeout=120,
         )
         assert down.returncode == 0, down.stderr
-        for name in ("web", "worker", "beat", "agent"):
+        for name in stack_module().PROCESSES:
             assert not (Path(var) / "run" / f"{name}.pid").exists()

@@ -11,7 +11,6 @@ are tested in tests/cluster/.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from unittest import mock
 import httpx
 import pytest
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, stack_module
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
@@ -83,13 +82,6 @@ class PrivatePostgres:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _load_stack_module():
-    spec = importlib.util.spec_from_file_location("stack", ROOT / "scripts/stack.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, smollm2_path):
     if os.geteuid() != 0 or not glob("/usr/lib/postgresql/*/bin/initdb"):
@@ -109,7 +101,7 @@ def fleet(tmp_path_factory, smollm2_path):
         # threads spin against each other (see "Not yet" in README.md).
         "LLAMAFLEET_AGENT_THREADS": "1",
     }
-    module = _load_stack_module()
+    module = stack_module()
     with mock.patch.dict(os.environ, env, clear=True):
         stack = module.Stack(var, free_port(), free_port(), free_port())
     web2_port = free_port()

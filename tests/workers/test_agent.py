@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llamafleet.agent.v1 import agent_pb2 as pb
 from llamafleet.agent.v1 import agent_pb2_grpc
 
-from tests.conftest import CHAT
+from tests.conftest import CHAT, wait_for
 
 SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 AUTH = (("authorization", f"Bearer {os.environ['LLAMAFLEET_NODE_TOKEN']}"),)
@@ -169,12 +169,11 @@ def test_cancelling_a_stream_frees_its_slot(agent, stub):
     )
     next(call)
     call.cancel()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).in_flight == 0:
-            break
-        time.sleep(0.05)
-    assert stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).in_flight == 0
+    wait_for(
+        lambda: stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).in_flight == 0,
+        timeout=10,
+        interval=0.05,
+    )
     # With its only slot free again, the next request is served at once.
     started = time.monotonic()
     msgs = list(stub.RunInference(chat(max_tokens=4), metadata=AUTH))

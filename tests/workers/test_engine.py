@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import CHAT
+from workers.engine import errors as codes
 from workers.engine.core import BatchEngine, Request, Sampling, common_prefix
 from workers.engine.errors import EngineError
+from workers.engine.events import Batch, Done, Token
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +48,26 @@ def chat_tokens(engine, messages=CHAT):
 
 def run(engine, requests, cancel_after=None, collect_logprobs=False):
     """Step until idle; returns texts and done events by request id (with collect_logprobs,
-    each done event ends with the request's logprob entries)."""
+    also each request's logprob entries)."""
     texts, done, errors, logprobs = {}, {}, {}, {}
     for r in requests:
         engine.submit(r)
     steps = 0
     while not engine.idle():
         for ev in engine.step():
-            if ev[0] == "token":
-                texts[ev[1]] = texts.get(ev[1], "") + ev[2]
-                logprobs.setdefault(ev[1], []).extend(ev[6])
-            elif ev[0] == "done":
-                done[ev[1]] = ev + ((logprobs.get(ev[1], []),) if collect_logprobs else ())
+            if isinstance(ev, Token):
+                texts[ev.id] = texts.get(ev.id, "") + ev.text
+                logprobs.setdefault(ev.id, []).extend(ev.logprobs)
+            elif isinstance(ev, Done):
+                done[ev.id] = ev
             else:
-                errors[ev[1]] = ev
+                errors[ev.id] = ev
         steps += 1
         if cancel_after and steps == cancel_after[1]:
             for ev in engine.cancel(cancel_after[0]):
-                done[ev[1]] = ev
+                done[ev.id] = ev
+    if collect_logprobs:
+        return texts, done, errors, {k: logprobs.get(k, []) for k in done}
     return texts, done, errors
 
 
@@ -84,8 +88,8 @@ def test_greedy_text_equals_llama_in_process(mode, request, reference_text):
     req = Request("a", chat_tokens(engine), 48, GREEDY, cache_prompt=False)
     texts, done, _ = run(engine, [req])
     assert texts["a"] == reference_text(CHAT, 48)
-    assert done["a"][2] in ("stop", "length")
-    assert done["a"][3]["prompt_tokens"] == len(chat_tokens(engine))
+    assert done["a"].reason in ("stop", "length")
+    assert done["a"].usage["prompt_tokens"] == len(chat_tokens(engine))
 
 
 def test_concurrent_sequences_each_equal_their_solo_run(invariant, reference_text):
@@ -102,21 +106,21 @@ def test_concurrent_sequences_each_equal_their_solo_run(invariant, reference_tex
 def test_max_tokens_ends_with_length(engine):
     tokens = chat_tokens(engine, [{"role": "user", "content": "Write a long story."}])
     _, done, _ = run(engine, [Request("x", tokens, 5, GREEDY)])
-    assert done["x"][2] == "length"
-    assert done["x"][3]["completion_tokens"] == 5
+    assert done["x"].reason == "length"
+    assert done["x"].usage["completion_tokens"] == 5
 
 
 def test_stop_string_is_cut_and_not_returned(engine, reference_text):
     full = reference_text(CHAT, 48)  # "The capital of France is Paris."
     texts, done, _ = run(engine, [Request("s", chat_tokens(engine), 48, GREEDY, stop=[" is"])])
     assert texts.get("s", "") == full.split(" is")[0]
-    assert done["s"][2] == "stop"
+    assert done["s"].reason == "stop"
 
 
 def test_prompt_over_context_is_refused_clearly(engine):
     with pytest.raises(EngineError) as err:
         engine.submit(Request("big", [1] * 600, 10, GREEDY))
-    assert err.value.code == "CONTEXT_LENGTH_EXCEEDED"
+    assert err.value.code == codes.CONTEXT_LENGTH_EXCEEDED
     assert "600 tokens" in err.value.message and "512" in err.value.message
 
 
@@ -125,8 +129,8 @@ def test_generation_stops_at_the_end_of_its_context(smollm2_path):
     try:
         tokens = chat_tokens(e, [{"role": "user", "content": "Write a very long story."}])
         _, done, _ = run(e, [Request("c", tokens, 0, GREEDY)])
-        assert done["c"][2] == "length"
-        assert done["c"][3]["prompt_tokens"] + done["c"][3]["completion_tokens"] == 64
+        assert done["c"].reason == "length"
+        assert done["c"].usage["prompt_tokens"] + done["c"].usage["completion_tokens"] == 64
     finally:
         e.close()
 
@@ -136,8 +140,8 @@ def test_cancel_frees_the_slot_and_others_continue(invariant, reference_text):
     long = chat_tokens(engine, [{"role": "user", "content": "Write a long story."}])
     reqs = [Request("long", long, 200, GREEDY), Request("short", chat_tokens(engine), 48, GREEDY)]
     texts, done, _ = run(engine, reqs, cancel_after=("long", 5))
-    assert done["long"][2] == "cancelled"
-    assert done["long"][3]["completion_tokens"] < 10
+    assert done["long"].reason == "cancelled"
+    assert done["long"].usage["completion_tokens"] < 10
     assert texts["short"] == reference_text(CHAT, 48)
     assert free_slots(engine) == engine.parallel
 
@@ -149,7 +153,7 @@ def test_full_queue_is_refused(smollm2_path):
         e.submit(Request("2", [1, 2, 3], 1, GREEDY))
         with pytest.raises(EngineError) as err:
             e.submit(Request("3", [1, 2, 3], 1, GREEDY))
-        assert err.value.code == "OVERLOADED"
+        assert err.value.code == codes.OVERLOADED
     finally:
         e.close()
 
@@ -167,7 +171,7 @@ def test_corrupt_file_raises_a_clear_error(tmp_path, smollm2_path):
     bad.write_bytes(smollm2_path.read_bytes()[:200_000])
     with pytest.raises(EngineError) as err:
         BatchEngine(str(bad), 128, 1, 2)
-    assert err.value.code == "BAD_MODEL_FILE"
+    assert err.value.code == codes.BAD_MODEL_FILE
 
 
 def _events(engine, req):
@@ -176,9 +180,9 @@ def _events(engine, req):
     pieces, done = [], None
     while not engine.idle():
         for ev in engine.step():
-            if ev[0] == "token":
+            if isinstance(ev, Token):
                 pieces.append(ev)
-            elif ev[0] == "done":
+            elif isinstance(ev, Done):
                 done = ev
     return pieces, done
 
@@ -192,9 +196,9 @@ def test_resumed_generation_continues_the_text_exactly(invariant, cut):
     engine = invariant
     prompt = chat_tokens(engine, STORY)
     full, full_done = _events(engine, Request("whole", prompt, 64, GREEDY))
-    text = "".join(p[2] for p in full)
-    ids = [t for p in full[:cut] for t in p[4]]
-    delivered = "".join(p[2] for p in full[:cut])
+    text = "".join(p.text for p in full)
+    ids = [t for p in full[:cut] for t in p.token_ids]
+    delivered = "".join(p.text for p in full[:cut])
     rest, done = _events(
         engine,
         Request(
@@ -206,17 +210,17 @@ def test_resumed_generation_continues_the_text_exactly(invariant, cut):
             delivered_bytes=len(delivered.encode()),
         ),
     )
-    assert delivered + "".join(p[2] for p in rest) == text
-    assert done[3] == full_done[3]  # same usage: resumed tokens count as generated
-    assert done[2] == full_done[2]
+    assert delivered + "".join(p.text for p in rest) == text
+    assert done.usage == full_done.usage  # same usage: resumed tokens count as generated
+    assert done.reason == full_done.reason
 
 
 def test_resumed_generation_resends_text_held_back_for_a_stop_string(engine):
     """Tokens whose text was held back (it may begin a stop string) are not lost."""
     prompt = chat_tokens(engine, STORY)
     whole, _ = _events(engine, Request("w", prompt, 40, GREEDY))
-    text = "".join(p[2] for p in whole)
-    ids = [t for p in whole for t in p[4]]
+    text = "".join(p.text for p in whole)
+    ids = [t for p in whole for t in p.token_ids]
     # The client got only the first half of the text, though every token was sent.
     delivered = text[: len(text) // 2]
     rest, done = _events(
@@ -230,8 +234,8 @@ def test_resumed_generation_resends_text_held_back_for_a_stop_string(engine):
             delivered_bytes=len(delivered.encode()),
         ),
     )
-    assert delivered + "".join(p[2] for p in rest) == text
-    assert done[2] == "length" and done[3]["completion_tokens"] == 40
+    assert delivered + "".join(p.text for p in rest) == text
+    assert done.reason == "length" and done.usage["completion_tokens"] == 40
 
 
 def test_text_does_not_depend_on_what_runs_beside_it(smollm2_path, reference_text):
@@ -276,45 +280,42 @@ def test_outbox_sends_the_first_piece_at_once_and_merges_the_rest():
 
     pipe = Pipe()
     out = Outbox(pipe, interval=60.0)  # nothing waits long enough during this test
-    out.send(("token", "a", "Hel", 0, [1], 9, []))
+    out.send(Token("a", "Hel", 0, [1], 9, []))
     out.tick()
-    out.send(("token", "a", "lo", 1, [2], 9, ["lp2"]))
-    out.send(("token", "a", " you", 2, [3, 4], 9, ["lp3", "lp4"]))
+    out.send(Token("a", "lo", 1, [2], 9, ["lp2"]))
+    out.send(Token("a", " you", 2, [3, 4], 9, ["lp3", "lp4"]))
     out.tick()
-    assert pipe == [("token", "a", "Hel", 0, [1], 9, [])]
-    out.send(("done", "a", "stop", {}, {}))
+    assert pipe == [Token("a", "Hel", 0, [1], 9, [])]
+    out.send(Done("a", "stop", {}, {}))
     out.tick()
     # The held text and the end leave in one message.
     assert pipe[1:] == [
-        (
-            "batch",
+        Batch(
             [
-                ("token", "a", "lo you", 1, [2, 3, 4], 9, ["lp2", "lp3", "lp4"]),
-                ("done", "a", "stop", {}, {}),
-            ],
+                Token("a", "lo you", 1, [2, 3, 4], 9, ["lp2", "lp3", "lp4"]),
+                Done("a", "stop", {}, {}),
+            ]
         )
     ]
     fast = Outbox(pipe := Pipe(), interval=0.0)  # 0: one piece per token, one send a step
     for i, text in enumerate("abc"):
-        fast.send(("token", "b", text, i, [i], 1, []))
+        fast.send(Token("b", text, i, [i], 1, []))
         fast.tick()
-    assert [m[2] for m in pipe] == ["a", "b", "c"]
+    assert [m.text for m in pipe] == ["a", "b", "c"]
     slow = Outbox(pipe := Pipe(), interval=0.01)
-    slow.send(("token", "c", "x", 0, [1], 1, []))
+    slow.send(Token("c", "x", 0, [1], 1, []))
     slow.tick()
-    slow.send(("token", "c", "y", 1, [2], 1, []))
+    slow.send(Token("c", "y", 1, [2], 1, []))
     slow.tick()
     time.sleep(0.02)
     slow.tick()  # waited long enough: sent without a new piece arriving
-    assert [m[2:4] for m in pipe] == [("x", 0), ("y", 1)]
+    assert [(m.text, m.index) for m in pipe] == [("x", 0), ("y", 1)]
     # Two streams' first pieces of one step: one message.
     both = Outbox(pipe := Pipe(), interval=60.0)
-    both.send(("token", "d", "1", 0, [1], 1, []))
-    both.send(("token", "e", "2", 0, [2], 1, []))
+    both.send(Token("d", "1", 0, [1], 1, []))
+    both.send(Token("e", "2", 0, [2], 1, []))
     both.tick()
-    assert pipe == [
-        ("batch", [("token", "d", "1", 0, [1], 1, []), ("token", "e", "2", 0, [2], 1, [])])
-    ]
+    assert pipe == [Batch([Token("d", "1", 0, [1], 1, []), Token("e", "2", 0, [2], 1, [])])]
 
 
 def test_embeddings_equal_llama_in_process(engine, smollm2_path):
@@ -345,7 +346,7 @@ def test_embeddings_equal_llama_in_process(engine, smollm2_path):
     assert dot(a, b) > dot(a, c)
     with pytest.raises(EngineError) as err:
         engine.embed(["word " * 600])
-    assert err.value.code == "CONTEXT_LENGTH_EXCEEDED"
+    assert err.value.code == codes.CONTEXT_LENGTH_EXCEEDED
     texts_after, _, _ = run(engine, [Request("g", chat_tokens(engine), 8, GREEDY)])
     assert texts_after["g"]
 
@@ -360,15 +361,15 @@ def test_a_resumed_generation_loses_and_repeats_nothing_in_throughput_mode(engin
     already generated followed by the new ones, and every token counts once."""
     prompt = chat_tokens(engine, STORY)
     full, _ = _events(engine, Request("whole", prompt, 64, GREEDY))
-    ids = [t for p in full[:cut] for t in p[4]]
-    delivered = "".join(p[2] for p in full[:cut])
+    ids = [t for p in full[:cut] for t in p.token_ids]
+    delivered = "".join(p.text for p in full[:cut])
     resumed = Request("resumed", prompt, 64, GREEDY, resume_tokens=ids)
     resumed.delivered_bytes = len(delivered.encode())
     rest, done = _events(engine, resumed)
-    new_ids = [t for p in rest for t in p[4]]
-    assert delivered + "".join(p[2] for p in rest) == detokenize(engine, ids + new_ids)
-    assert done[3]["completion_tokens"] == len(ids) + len(new_ids) == 64
-    assert done[2] == "length"
+    new_ids = [t for p in rest for t in p.token_ids]
+    assert delivered + "".join(p.text for p in rest) == detokenize(engine, ids + new_ids)
+    assert done.usage["completion_tokens"] == len(ids) + len(new_ids) == 64
+    assert done.reason == "length"
 
 
 def test_a_follow_up_reuses_the_cached_prompt(smollm2_path):
@@ -378,23 +379,23 @@ def test_a_follow_up_reuses_the_cached_prompt(smollm2_path):
         turn1 = [{"role": "system", "content": "You are a helpful librarian. " * 20}] + CHAT
         t1 = chat_tokens(e, turn1)
         texts, done, _ = run(e, [Request("t1", t1, 16, GREEDY)])
-        assert done["t1"][3]["cached_tokens"] == 0
+        assert done["t1"].usage["cached_tokens"] == 0
         turn2 = turn1 + [
             {"role": "assistant", "content": texts["t1"]},
             {"role": "user", "content": "And of Spain?"},
         ]
         t2 = chat_tokens(e, turn2)
         _, done, _ = run(e, [Request("t2", t2, 16, GREEDY)])
-        cached = done["t2"][3]["cached_tokens"]
+        cached = done["t2"].usage["cached_tokens"]
         # Everything up to the first answer is reused (its re-tokenised text may differ in
         # its last tokens), and never the whole prompt: the last token gives the logits.
         assert len(t1) <= cached < len(t2)
         # The same prompt again: all but its last token come from the cache.
         _, again, _ = run(e, [Request("t2b", t2, 4, GREEDY)])
-        assert again["t2b"][3]["cached_tokens"] == len(t2) - 1
+        assert again["t2b"].usage["cached_tokens"] == len(t2) - 1
         # Asked not to, the engine evaluates the whole prompt.
         _, cold, _ = run(e, [Request("t2c", t2, 4, GREEDY, cache_prompt=False)])
-        assert cold["t2c"][3]["cached_tokens"] == 0
+        assert cold["t2c"].usage["cached_tokens"] == 0
     finally:
         e.close()
 
@@ -410,11 +411,11 @@ def test_each_conversation_finds_its_own_slot(smollm2_path):
         _, db1, _ = run(e, [Request("b1", b, 4, GREEDY)])
         # b's first turn shares only the template's opening with a: copied into the free
         # slot, without taking a's slot.
-        assert db1["b1"][3]["cached_tokens"] == common_prefix(a, b) > 0
+        assert db1["b1"].usage["cached_tokens"] == common_prefix(a, b) > 0
         _, da, _ = run(e, [Request("a2", a, 4, GREEDY)])
         _, db, _ = run(e, [Request("b2", b, 4, GREEDY)])
-        assert da["a2"][3]["cached_tokens"] == len(a) - 1
-        assert db["b2"][3]["cached_tokens"] == len(b) - 1
+        assert da["a2"].usage["cached_tokens"] == len(a) - 1
+        assert db["b2"].usage["cached_tokens"] == len(b) - 1
     finally:
         e.close()
 
@@ -423,7 +424,7 @@ def test_the_invariant_mode_keeps_no_prompt_cache(invariant):
     prompt = chat_tokens(invariant)
     run(invariant, [Request("x", prompt, 4, GREEDY)])
     _, done, _ = run(invariant, [Request("y", prompt, 4, GREEDY)])
-    assert done["y"][3]["cached_tokens"] == 0
+    assert done["y"].usage["cached_tokens"] == 0
 
 
 def test_new_prompts_join_running_sequences_in_the_same_decode(smollm2_path):
@@ -438,12 +439,12 @@ def test_new_prompts_join_running_sequences_in_the_same_decode(smollm2_path):
                     f"s{i}", chat_tokens(e, [{"role": "user", "content": f"On {t}."}]), 8, GREEDY
                 )
             )
-        first = {ev[1] for ev in e.step() if ev[0] in ("token", "done")}
+        first = {ev.id for ev in e.step() if isinstance(ev, (Token, Done))}
         assert first == {f"s{i}" for i in range(7)}  # one step: every prompt read, sampled
         e.submit(
             Request("late", chat_tokens(e, [{"role": "user", "content": "On bees."}]), 8, GREEDY)
         )
-        second = {ev[1] for ev in e.step() if ev[0] in ("token", "done")}
+        second = {ev.id for ev in e.step() if isinstance(ev, (Token, Done))}
         assert second == {f"s{i}" for i in range(7)} | {"late"}
         while not e.idle():
             e.step()
@@ -482,7 +483,7 @@ def test_a_json_schema_grammar_shapes_the_output(engine):
     )
     assert not errors
     for i in range(3):
-        assert done[f"j{i}"][2] == "stop", texts[f"j{i}"]  # the grammar ended it, not the limit
+        assert done[f"j{i}"].reason == "stop", texts[f"j{i}"]  # the grammar ended it, not the limit
         Person.model_validate_json(texts[f"j{i}"])  # parses and matches
     assert not texts["free"].lstrip().startswith("{")  # the others are not constrained
 
@@ -492,17 +493,17 @@ def test_a_schema_the_grammar_cannot_express_is_refused_by_name(engine):
 
     with pytest.raises(EngineError) as err:
         grammar_for_schema('{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}')
-    assert err.value.code == "INVALID_SCHEMA" and "nowhere" in err.value.message
+    assert err.value.code == codes.INVALID_SCHEMA and "nowhere" in err.value.message
     with pytest.raises(EngineError) as err:
         engine.submit(Request("g", [1, 2], 5, Sampling(grammar="root ::= (")))
-    assert err.value.code == "INVALID_SCHEMA"
+    assert err.value.code == codes.INVALID_SCHEMA
 
 
 def test_logprobs_are_the_models_own_log_probabilities(engine):
     import math
 
     prompt = chat_tokens(engine)
-    texts, done, errors = run(
+    texts, done, errors, logprobs = run(
         engine,
         [
             Request("lp", prompt, 8, Sampling(temperature=0.0), logprobs=3),
@@ -510,8 +511,8 @@ def test_logprobs_are_the_models_own_log_probabilities(engine):
         ],
         collect_logprobs=True,
     )
-    entries = done["lp"][-1]
-    assert len(entries) == done["lp"][3]["completion_tokens"] > 0 and done["no"][-1] == []
+    entries = logprobs["lp"]
+    assert len(entries) == done["lp"].usage["completion_tokens"] > 0 and logprobs["no"] == []
     for token, piece, lp, top in entries:
         assert lp <= 0 and len(top) == 3 and piece == engine.token_bytes(token)
         assert sum(math.exp(x) for _, x in top) <= 1 + 1e-6
@@ -537,7 +538,7 @@ def test_n_choices_evaluate_the_prompt_once_and_sample_apart(engine):
     finally:
         engine._decode = real
     assert not errors and set(done) == {"r", "r#1", "r#2"}
-    generated = sum(done[k][3]["completion_tokens"] for k in done)
+    generated = sum(done[k].usage["completion_tokens"] for k in done)
     # The prompt was decoded once; every later token once per choice.
     assert sum(decoded) <= len(prompt) + generated
     assert len({texts[k] for k in done}) == 3  # three samples, three texts

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one agent, served over HTTP with the node token as Bearer.
+"""Prometheus metrics of one agent: prometheus_client's ASGI app behind the scrape-only token.
 
 Each agent has its own registry (several agents may share a process in tests). Gauges of
 what the replicas hold are read at scrape time; counters move as generations end.
@@ -7,10 +7,11 @@ what the replicas hold are read at scrape time; counters move as generations end
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_asgi_app
 from prometheus_client.core import GaugeMetricFamily
 
 log = logging.getLogger(__name__)
@@ -84,9 +85,6 @@ class AgentMetrics:
     def failed(self, replica_id: str, model: str, code: str):
         self.generations.labels(replica_id, model, code.lower()).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
 
 class _ReplicaCollector:
     """In-flight, queued, memory and state of each replica, as they are now."""
@@ -126,43 +124,67 @@ class _ReplicaCollector:
         yield from (in_flight, queued, memory, ready)
 
 
-async def serve_metrics(metrics: AgentMetrics, listen: str, token: str) -> asyncio.AbstractServer:
-    """A minimal HTTP server for GET /metrics; anything else is 404, no token is 401."""
+class MetricsServer:
+    """The agent's /metrics: prometheus_client's ASGI app, behind the scrape-only token,
+    served by uvicorn on the agent's own loop (its socket bound here, so that a busy port
+    is an OSError for the caller, and uvicorn leaves the agent's signals alone)."""
+
+    def __init__(self, metrics: AgentMetrics, listen: str, token: str):
+        import socket
+
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # SIGTERM belongs to the agent (it drains)
+                yield
+
+        host, _, port = listen.rpartition(":")
+        host = host.strip("[]") or "127.0.0.1"
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, int(port), type=socket.SOCK_STREAM
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(64)
+        except OSError:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        self.sockets = [sock]
+        config = uvicorn.Config(
+            guarded(make_asgi_app(metrics.registry), token),
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+        )
+        self._server = _Server(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        log.info("agent metrics on http://%s/metrics", listen)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+
+
+def guarded(app, token: str):
+    """GET /metrics with the token as Bearer, else 401; any other path is 404."""
     expected = f"Bearer {token}".encode()
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            lines = head.split(b"\r\n")
-            method, path, _ = (lines[0].split(b" ") + [b"", b""])[:3]
-            auth = b""
-            for line in lines[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"authorization":
-                    auth = value.strip()
-            if method != b"GET" or path.split(b"?")[0] != b"/metrics":
-                status, body, ctype = b"404 Not Found", b"not found\n", b"text/plain"
-            elif not hmac.compare_digest(auth, expected):
-                status, body, ctype = (
-                    b"401 Unauthorized",
-                    b"metrics token required\n",
-                    b"text/plain",
-                )
-            else:
-                status, body = b"200 OK", metrics.render()
-                ctype = b"text/plain; version=0.0.4; charset=utf-8"
-            writer.write(
-                b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype
-                + b"\r\nContent-Length: " + str(len(body)).encode()
-                + b"\r\nConnection: close\r\n\r\n" + body
-            )  # fmt: skip
-            await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
-            pass
-        finally:
-            writer.close()
+    async def asgi(scope, receive, send):
+        if scope["type"] == "http":
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if scope["method"] != "GET" or scope["path"] != "/metrics":
+                return await _plain(send, 404, b"not found\n")
+            if not hmac.compare_digest(auth, expected):
+                return await _plain(send, 401, b"metrics token required\n")
+        await app(scope, receive, send)
 
-    host, _, port = listen.rpartition(":")
-    server = await asyncio.start_server(handle, host.strip("[]") or "127.0.0.1", int(port))
-    log.info("agent metrics on http://%s/metrics", listen)
-    return server
+    return asgi
+
+
+async def _plain(send, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

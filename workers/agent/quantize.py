@@ -17,6 +17,7 @@ from pathlib import Path
 from llamafleet.agent.v1 import agent_pb2 as pb
 
 from workers.agent.store import ModelStore
+from workers.engine import errors
 from workers.engine.errors import EngineError
 from workers.engine.quantize import TARGETS
 
@@ -39,9 +40,11 @@ async def run(
     store: ModelStore, request: pb.QuantizeRequest, threads: int
 ) -> AsyncIterator[pb.QuantizeProgress]:
     if request.target not in TARGETS:
-        raise EngineError("INVALID_ARGUMENT", f"target must be one of {', '.join(sorted(TARGETS))}")
+        raise EngineError(
+            errors.INVALID_ARGUMENT, f"target must be one of {', '.join(sorted(TARGETS))}"
+        )
     if not request.source_files:
-        raise EngineError("INVALID_ARGUMENT", "source_files is empty")
+        raise EngineError(errors.INVALID_ARGUMENT, "source_files is empty")
     started = time.monotonic()
     yield pb.QuantizeProgress(phase="fetching the source")
     source = await store.ensure_model(request.source_files)
@@ -81,7 +84,7 @@ async def run(
                     )
             if await proc.wait() != 0 or not result:
                 tail = (await stderr).decode(errors="replace").strip().splitlines()[-3:]
-                raise EngineError("ENGINE_FAILED", f"quantizer failed: {' '.join(tail)}")
+                raise EngineError(errors.ENGINE_FAILED, f"quantizer failed: {' '.join(tail)}")
         finally:
             if proc.returncode is None:  # the caller went away: stop the work
                 proc.kill()

@@ -18,6 +18,7 @@ from llamafleet.agent.v1 import agent_pb2 as pb
 from llamafleet.agent.v1 import agent_pb2_grpc
 
 from workers import tls
+from workers.engine import errors
 from workers.engine.errors import EngineError
 from workers.engine.process import describe_exit
 
@@ -64,7 +65,7 @@ class RpcServer:
 
     async def start(self, timeout: float = 15.0) -> None:
         if _answers(self.host, self.port):
-            raise EngineError("INVALID_ARGUMENT", f"{self.endpoint} is already in use")
+            raise EngineError(errors.ENDPOINT_IN_USE, f"{self.endpoint} is already in use")
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=_child,
@@ -76,13 +77,17 @@ class RpcServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self._proc.is_alive():
-                raise EngineError("ENGINE_FAILED", f"rpc server at {self.endpoint}: {self.error}")
+                raise EngineError(
+                    errors.ENGINE_FAILED, f"rpc server at {self.endpoint}: {self.error}"
+                )
             if await asyncio.to_thread(_answers, self.host, self.port):
                 log.info("rpc server listening at %s (%d threads)", self.endpoint, self.threads)
                 return
             await asyncio.sleep(0.1)
         self.stop()
-        raise EngineError("ENGINE_FAILED", f"rpc server at {self.endpoint} did not start listening")
+        raise EngineError(
+            errors.ENGINE_FAILED, f"rpc server at {self.endpoint} did not start listening"
+        )
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.is_alive():
@@ -150,7 +155,7 @@ async def measure_link(
                 await stub.Echo(pb.EchoRequest(payload=chunk), metadata=metadata, timeout=30)
             seconds = time.perf_counter() - t
     except grpc.RpcError as exc:
-        out.error = f"{target}: {exc.details() or exc.code()}"
+        out.error = f"{target}: {errors.describe(exc)}"
         return out
     out.rtt_ms = statistics.median(rtts) * 1000
     out.mbit_s = n * len(chunk) * 8 / seconds / 1e6

@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from llamafleet.agent.v1 import agent_pb2_grpc
 
 from workers import tls
-from workers.agent.metrics import serve_metrics
+from workers.agent.metrics import MetricsServer
 from workers.agent.service import NodeAgentService
 from workers.agent.store import ModelStore
 from workers.tls import TLSFiles
@@ -164,7 +164,7 @@ class Agent:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
         self._tasks: list[asyncio.Task] = []
-        self.metrics_server: asyncio.AbstractServer | None = None
+        self.metrics_server: MetricsServer | None = None
         self.health_server: grpc.aio.Server | None = None
 
     def _changed(self) -> None:
@@ -191,7 +191,7 @@ class Agent:
             log.warning("no metrics: set LLAMAFLEET_METRICS_TOKEN (scrape-only) to serve them")
         elif self.settings.metrics_listen:
             try:
-                self.metrics_server = await serve_metrics(
+                self.metrics_server = MetricsServer(
                     self.service.metrics, self.settings.metrics_listen, self.settings.metrics_token
                 )
             except OSError as exc:  # serving matters more than being scraped

@@ -19,12 +19,12 @@ from workers.agent import quantize, rpc_servers, system
 from workers.agent.metrics import AgentMetrics
 from workers.agent.rpc_servers import RpcServer
 from workers.agent.store import ModelStore
+from workers.engine import errors
 from workers.engine.errors import EngineError
+from workers.engine.events import Token
 from workers.engine.process import EngineConfig, EngineProcess
 
 log = logging.getLogger(__name__)
-
-ERROR_METADATA_KEY = "llamafleet-error-code"
 
 _STATES = {
     "loading": pb.REPLICA_STATE_LOADING,
@@ -39,14 +39,15 @@ _FINISH = {
     "cancelled": pb.FINISH_REASON_CANCELLED,
 }
 _STATUS = {
-    "CONTEXT_LENGTH_EXCEEDED": grpc.StatusCode.INVALID_ARGUMENT,
-    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
-    "INVALID_SCHEMA": grpc.StatusCode.INVALID_ARGUMENT,
-    "REPLICA_NOT_FOUND": grpc.StatusCode.NOT_FOUND,
-    "ENGINE_FAILED": grpc.StatusCode.UNAVAILABLE,
-    "BAD_MODEL_FILE": grpc.StatusCode.FAILED_PRECONDITION,
-    "OVERLOADED": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "DRAINING": grpc.StatusCode.UNAVAILABLE,
+    errors.CONTEXT_LENGTH_EXCEEDED: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.INVALID_SCHEMA: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.REPLICA_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    errors.ENGINE_FAILED: grpc.StatusCode.UNAVAILABLE,
+    errors.BAD_MODEL_FILE: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.DRAINING: grpc.StatusCode.UNAVAILABLE,
+    errors.ENDPOINT_IN_USE: grpc.StatusCode.ALREADY_EXISTS,
 }
 
 
@@ -55,7 +56,7 @@ async def abort(context: grpc.aio.ServicerContext, exc: EngineError):
     await context.abort(
         _STATUS.get(exc.code, grpc.StatusCode.INTERNAL),
         exc.message,
-        trailing_metadata=((ERROR_METADATA_KEY, exc.code),),
+        trailing_metadata=((errors.METADATA_KEY, exc.name),),
     )
 
 
@@ -116,7 +117,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         replica = self.replicas.get(replica_id)
         if replica is None:
             raise EngineError(
-                "REPLICA_NOT_FOUND", f"replica {replica_id} is not loaded on {self.node_name}"
+                errors.REPLICA_NOT_FOUND, f"replica {replica_id} is not loaded on {self.node_name}"
             )
         return replica
 
@@ -131,7 +132,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
 
     async def LoadModel(self, request, context):
         if not request.replica_id:
-            await abort(context, EngineError("INVALID_ARGUMENT", "replica_id is required"))
+            await abort(context, EngineError(errors.INVALID_ARGUMENT, "replica_id is required"))
         existing = self.replicas.get(request.replica_id)
         if existing is not None and existing.engine.state in ("loading", "ready"):
             await existing.loaded.wait()  # another call is loading it: answer with its outcome
@@ -150,7 +151,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             n_gpu_layers=request.n_gpu_layers
             if request.rpc_servers or request.n_gpu_layers
             else -1,
-            split_mode=request.split_mode or 1,
+            split_mode=request.split_mode or pb.SPLIT_MODE_LAYER,
             tensor_split=list(request.tensor_split),
             batch_invariant=request.batch_invariant,
         )
@@ -185,18 +186,18 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
 
     async def RunInference(self, request, context):
         if self.draining:  # shutting down: the caller sends it to another replica
-            await abort(context, EngineError("DRAINING", f"{self.node_name} is shutting down"))
+            await abort(context, EngineError(errors.DRAINING, f"{self.node_name} is shutting down"))
         try:
             replica = self._replica(request.replica_id)
             payload = inference_payload(request)
             async for event in replica.engine.generate(payload):
-                if event[0] == "token":
+                if isinstance(event, Token):
                     yield pb.InferenceResponse(
-                        choice=_choice(event[1]),
-                        text=event[2],
-                        index=event[3],
-                        token_ids=event[4],
-                        prompt_tokens=event[5],
+                        choice=_choice(event.id),
+                        text=event.text,
+                        index=event.index,
+                        token_ids=event.token_ids,
+                        prompt_tokens=event.prompt_tokens,
                         logprobs=[
                             pb.TokenLogprob(
                                 token_id=t,
@@ -204,23 +205,26 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
                                 logprob=lp,
                                 top=[pb.TopLogprob(piece=p, logprob=x) for p, x in top],
                             )
-                            for t, piece, lp, top in event[6]
+                            for t, piece, lp, top in event.logprobs
                         ],
                     )
                 else:
-                    _, _, reason, usage, timings = event
                     self.metrics.finished(
-                        replica.replica_id, replica.model_name, reason, usage, timings
+                        replica.replica_id,
+                        replica.model_name,
+                        event.reason,
+                        event.usage,
+                        event.timings,
                     )
                     yield pb.InferenceResponse(
-                        choice=_choice(event[1]),
-                        finish_reason=_FINISH[reason],
-                        usage=pb.Usage(**usage),
-                        timings=pb.Timings(**timings),
+                        choice=_choice(event.id),
+                        finish_reason=_FINISH[event.reason],
+                        usage=pb.Usage(**event.usage),
+                        timings=pb.Timings(**event.timings),
                     )
         except EngineError as exc:
-            if exc.code != "REPLICA_NOT_FOUND":
-                self.metrics.failed(request.replica_id, replica.model_name, exc.code)
+            if exc.code != errors.REPLICA_NOT_FOUND:
+                self.metrics.failed(request.replica_id, replica.model_name, exc.name)
             await abort(context, exc)
 
     async def Tokenize(self, request, context):
@@ -239,7 +243,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         try:
             replica = self._replica(request.replica_id)
             if not request.input:
-                raise EngineError("INVALID_ARGUMENT", "input is empty")
+                raise EngineError(errors.INVALID_ARGUMENT, "input is empty")
             vectors, n_tokens = await replica.engine.embed(list(request.input))
         except EngineError as exc:
             await abort(context, exc)
@@ -253,7 +257,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
     async def StartRpcServer(self, request, context):
         try:
             if not 0 < request.port < 65536:
-                raise EngineError("INVALID_ARGUMENT", "port must be between 1 and 65535")
+                raise EngineError(errors.INVALID_ARGUMENT, "port must be between 1 and 65535")
             server = self.rpc_servers.get(request.port)
             if server is None or not server.running:
                 cache = str(self.store.root / "rpc-cache") if request.cache else ""
@@ -332,7 +336,7 @@ def _rpc_status(server: RpcServer) -> pb.RpcServerStatus:
 def inference_payload(request: pb.InferenceRequest) -> dict:
     """The engine's view of an InferenceRequest."""
     if request.messages and request.prompt:
-        raise EngineError("INVALID_ARGUMENT", "give either messages or prompt, not both")
+        raise EngineError(errors.INVALID_ARGUMENT, "give either messages or prompt, not both")
     s = request.sampling
     sampling = {
         "temperature": s.temperature,

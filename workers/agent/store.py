@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from workers.engine import errors
 from workers.engine.errors import EngineError
 
 
@@ -52,13 +53,13 @@ class ModelStore:
     async def ensure(self, sha256: str, size: int, url: str) -> Path:
         """Return the local file of a model, downloading and verifying it if missing."""
         if not sha256 or len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256):
-            raise EngineError("BAD_MODEL_FILE", f"invalid sha256 {sha256!r}")
+            raise EngineError(errors.BAD_MODEL_FILE, f"invalid sha256 {sha256!r}")
         path = self.path_for(sha256)
         if self._complete(path, size):
             return path
         if not url:
             raise EngineError(
-                "BAD_MODEL_FILE",
+                errors.BAD_MODEL_FILE,
                 f"model {sha256[:12]} is not in {self.root} and has no download URL",
             )
         async with self._lock(sha256):
@@ -97,7 +98,7 @@ class ModelStore:
         free = shutil.disk_usage(self.root).free
         if size and free < size - have:
             raise EngineError(
-                "BAD_MODEL_FILE",
+                errors.BAD_MODEL_FILE,
                 f"model {sha256[:12]} needs {size - have} more bytes, "
                 f"{free} are free in {self.root}",
             )
@@ -110,7 +111,8 @@ class ModelStore:
                 async with client.stream("GET", url, headers=headers) as resp:
                     if resp.status_code not in (200, 206):
                         raise EngineError(
-                            "BAD_MODEL_FILE", f"download of {url} failed: HTTP {resp.status_code}"
+                            errors.BAD_MODEL_FILE,
+                            f"download of {url} failed: HTTP {resp.status_code}",
                         )
                     if resp.status_code == 200 and have:  # the server sent it all again
                         digest, have = hashlib.sha256(), 0
@@ -120,14 +122,14 @@ class ModelStore:
                             out.write(chunk)
         except httpx.HTTPError as exc:
             raise EngineError(
-                "BAD_MODEL_FILE",
+                errors.BAD_MODEL_FILE,
                 f"download of {url} failed: {exc}; the partial file is kept and the next load "
                 "continues it",
             ) from exc
         if digest.hexdigest() != sha256:
             part.unlink(missing_ok=True)
             raise EngineError(
-                "BAD_MODEL_FILE",
+                errors.BAD_MODEL_FILE,
                 f"downloaded file has sha256 {digest.hexdigest()}, expected {sha256}",
             )
         part.rename(path)

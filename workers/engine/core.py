@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 
 import llama_cpp as L
 
+from workers.engine import errors
 from workers.engine.errors import EngineError
+from workers.engine.events import Done, Error, Token
 
 #: Same default as llama-cpp-python's Llama(n_batch=512): prompts decode in chunks of this.
 N_BATCH = 512
@@ -111,7 +113,9 @@ class _Sequence:
     cached_tokens: int = 0  # prompt tokens whose KV the slot's cache already held
     pending_text: str = ""  # decoded text held back while it may start a stop string
     new_tokens: list[int] = field(default_factory=list)  # sampled, not yet sent with text
-    new_logprobs: list[tuple] = field(default_factory=list)  # theirs, when asked (logprob())
+    new_logprobs: list[Token | Done | Error] = field(
+        default_factory=list
+    )  # theirs, when asked (logprob())
     grammar: ctypes.c_void_p | None = None  # structured output's grammar sampler, if any
     follows: _Sequence | None = None  # an extra choice waiting for this one's prompt KV
     sampled: list[int] = field(default_factory=list)  # every token sampled here
@@ -165,7 +169,8 @@ class BatchEngine:
         self.model = L.llama_model_load_from_file(model_path.encode(), mparams)
         if not self.model:
             raise EngineError(
-                "BAD_MODEL_FILE", f"llama.cpp could not load {model_path} (corrupt or unsupported)"
+                errors.BAD_MODEL_FILE,
+                f"llama.cpp could not load {model_path} (corrupt or unsupported)",
             )
         self.vocab = L.llama_model_get_vocab(self.model)
         self.context_length = int(context_length)
@@ -201,7 +206,7 @@ class BatchEngine:
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)
-            raise EngineError("ENGINE_FAILED", "llama.cpp could not create a context")
+            raise EngineError(errors.ENGINE_FAILED, "llama.cpp could not create a context")
         self.memory = L.llama_get_memory(self.ctx)
         self.batch = L.llama_batch_init(N_BATCH, 0, 1)
         self.max_queue = max_queue
@@ -233,7 +238,7 @@ class BatchEngine:
             self._embed_ctx = L.llama_init_from_model(self.model, cparams)
             if not self._embed_ctx:
                 raise EngineError(
-                    "ENGINE_FAILED", "llama.cpp could not create an embedding context"
+                    errors.ENGINE_FAILED, "llama.cpp could not create an embedding context"
                 )
             self._embed_batch = L.llama_batch_init(self.context_length, 0, 1)
         n_embd = L.llama_model_n_embd(self.model)
@@ -243,7 +248,7 @@ class BatchEngine:
             tokens = self.tokenize(text, add_bos=True, special=False)
             if not tokens or len(tokens) > self.context_length:
                 raise EngineError(
-                    "CONTEXT_LENGTH_EXCEEDED" if tokens else "INVALID_ARGUMENT",
+                    errors.CONTEXT_LENGTH_EXCEEDED if tokens else errors.INVALID_ARGUMENT,
                     f"input {i} has {len(tokens)} tokens; it must have 1 to "
                     f"{self.context_length} (the context window)",
                 )
@@ -255,7 +260,7 @@ class BatchEngine:
             b.n_tokens = len(tokens)
             L.llama_memory_clear(memory, True)
             if L.llama_decode(self._embed_ctx, b) != 0:
-                raise EngineError("ENGINE_FAILED", "llama_decode failed while embedding")
+                raise EngineError(errors.ENGINE_FAILED, "llama_decode failed while embedding")
             vec = L.llama_get_embeddings_seq(self._embed_ctx, 0)[:n_embd]
             norm = math.sqrt(sum(x * x for x in vec)) or 1.0
             out.append([x / norm for x in vec])
@@ -369,18 +374,20 @@ class BatchEngine:
         """Queue a request; raises EngineError when it cannot ever be served."""
         n_prompt = len(req.prompt_tokens)
         if n_prompt == 0:
-            raise EngineError("INVALID_ARGUMENT", "the prompt is empty")
+            raise EngineError(errors.INVALID_ARGUMENT, "the prompt is empty")
         if n_prompt >= self.context_length:
             raise EngineError(
-                "CONTEXT_LENGTH_EXCEEDED",
+                errors.CONTEXT_LENGTH_EXCEEDED,
                 f"the prompt has {n_prompt} tokens but the context window is "
                 f"{self.context_length} tokens (at least one must be left to generate)",
             )
         if len(self.waiting) >= self.max_queue:
-            raise EngineError("OVERLOADED", f"the queue of this replica is full ({self.max_queue})")
+            raise EngineError(
+                errors.OVERLOADED, f"the queue of this replica is full ({self.max_queue})"
+            )
         if req.n > len(self.slots) or (req.n > 1 and (req.resume_tokens or self.invariant)):
             raise EngineError(
-                "INVALID_ARGUMENT",
+                errors.INVALID_ARGUMENT,
                 f"n={req.n} needs as many free slots (this replica has {len(self.slots)}), "
                 "a throughput-mode replica and no resumed tokens",
             )
@@ -388,7 +395,7 @@ class BatchEngine:
             L.llama_sampler_free(self._grammar_sampler(req.sampling.grammar))  # parses, or 400
         self.waiting.append(req)
 
-    def cancel(self, request_id: str) -> list[tuple]:
+    def cancel(self, request_id: str) -> list[Token | Done | Error]:
         """Drop a request wherever it is; returns the events to send."""
         for req in list(self.waiting):
             if req.request_id == request_id:
@@ -401,10 +408,9 @@ class BatchEngine:
         ]
         return [self._finish(s, "cancelled") for s in seqs]
 
-    def _done_event_for_waiting(self, req: Request, reason: str) -> tuple:
+    def _done_event_for_waiting(self, req: Request, reason: str) -> Done:
         now = time.monotonic()
-        return (
-            "done",
+        return Done(
             req.request_id,
             reason,
             {"prompt_tokens": len(req.prompt_tokens), "completion_tokens": 0, "cached_tokens": 0},
@@ -418,7 +424,7 @@ class BatchEngine:
     def _grammar_sampler(self, grammar: str):
         sampler = L.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
         if not sampler:
-            raise EngineError("INVALID_SCHEMA", "llama.cpp could not parse the output grammar")
+            raise EngineError(errors.INVALID_SCHEMA, "llama.cpp could not parse the output grammar")
         return sampler
 
     def _new_sampler(self, s: Sampling):
@@ -440,7 +446,7 @@ class BatchEngine:
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed & 0xFFFFFFFF))
         return chain
 
-    def _admit(self, events: list[tuple]) -> None:
+    def _admit(self, events: list[Token | Done | Error]) -> None:
         while self.waiting:
             free = [slot for slot in self.slots if not slot.busy]
             if len(free) < self.waiting[0].n:
@@ -547,7 +553,7 @@ class BatchEngine:
         slot.cached = []
         return slot, reused
 
-    def _resume(self, seq: _Sequence, events: list[tuple]) -> None:
+    def _resume(self, seq: _Sequence, events: list[Token | Done | Error]) -> None:
         """Take over a generation: its tokens count as generated, unsent text is sent."""
         req = seq.req
         for token in req.resume_tokens:
@@ -574,9 +580,9 @@ class BatchEngine:
         b.seq_id[i][0] = seq_id
         b.logits[i] = logits
 
-    def step(self) -> list[tuple]:
-        """Decode one step; returns events ("token", ...) and ("done", ...)."""
-        events: list[tuple] = []
+    def step(self) -> list[Token | Done | Error]:
+        """Decode one step; returns its Token, Done and Error events."""
+        events: list[Token | Done | Error] = []
         self._admit(events)
         if not self.active:
             return events
@@ -586,7 +592,7 @@ class BatchEngine:
             self._step_throughput(events)
         return events
 
-    def _step_throughput(self, events: list[tuple]) -> None:
+    def _step_throughput(self, events: list[Token | Done | Error]) -> None:
         """One llama_decode: every decoding sequence's next token, then prompt chunks of
         the sequences still reading theirs (in arrival order) up to N_BATCH tokens, so that
         new requests reach their first token within a step or two of arriving."""
@@ -618,7 +624,7 @@ class BatchEngine:
         if self._decode(n, events):
             self._sample(events)
 
-    def _step_invariant(self, events: list[tuple]) -> None:
+    def _step_invariant(self, events: list[Token | Done | Error]) -> None:
         """One llama_decode with the next token of every decoding sequence, then one with
         the next prompt chunk of a single waiting sequence. Keeping them apart makes each
         sequence's numbers those of a solo run (llama.cpp splits a mixed batch into other
@@ -665,7 +671,7 @@ class BatchEngine:
             if self._decode(n, events):
                 self._sample(events)
 
-    def _decode(self, n: int, events: list[tuple]) -> bool:
+    def _decode(self, n: int, events: list[Token | Done | Error]) -> bool:
         self.batch.n_tokens = n
         # Each slot's stream holds at most its own context (a reused slot's tail is cut
         # first), so a prompt cache never takes room a running sequence needs.
@@ -673,13 +679,13 @@ class BatchEngine:
         if rc != 0:
             # Fail what is running rather than the whole engine.
             events.extend(
-                self._fail(seq, "ENGINE_FAILED", f"llama_decode failed with code {rc}")
+                self._fail(seq, errors.ENGINE_FAILED, f"llama_decode failed with code {rc}")
                 for seq in list(self.active.values())
             )
             return False
         return True
 
-    def _sample(self, events: list[tuple]) -> None:
+    def _sample(self, events: list[Token | Done | Error]) -> None:
         """Sample every sequence whose logits the last decode produced."""
         for seq in list(self.active.values()):
             if seq.batch_index < 0:
@@ -711,7 +717,7 @@ class BatchEngine:
                 events.extend(self._flush(seq, final=True))
                 events.append(self._finish(seq, "length"))
 
-    def _push_text(self, seq: _Sequence, text: str, events: list[tuple]) -> bool:
+    def _push_text(self, seq: _Sequence, text: str, events: list[Token | Done | Error]) -> bool:
         """Emit text, holding back what may begin a stop string; True when one matched."""
         seq.pending_text += text
         stops = seq.req.stop
@@ -735,9 +741,8 @@ class BatchEngine:
             events.append(self._piece(seq, out))
         return False
 
-    def _piece(self, seq: _Sequence, text: str) -> tuple:
-        event = (
-            "token",
+    def _piece(self, seq: _Sequence, text: str) -> Token:
+        event = Token(
             seq.req.request_id,
             text,
             seq.emitted,
@@ -749,7 +754,7 @@ class BatchEngine:
         seq.new_tokens, seq.new_logprobs = [], []
         return event
 
-    def _flush(self, seq: _Sequence, final: bool) -> list[tuple]:
+    def _flush(self, seq: _Sequence, final: bool) -> list[Token | Done | Error]:
         text = seq.pending_text + (seq.decoder.decode(b"", final=True) if final else "")
         seq.pending_text = ""
         if not text:
@@ -771,12 +776,11 @@ class BatchEngine:
         if seq.grammar is not None:
             L.llama_sampler_free(seq.grammar)
 
-    def _finish(self, seq: _Sequence, reason: str) -> tuple:
+    def _finish(self, seq: _Sequence, reason: str) -> Done:
         self._release(seq, keep_cache=True)
         now = time.monotonic()
         first = seq.first_token_at or now
-        return (
-            "done",
+        return Done(
             seq.req.request_id,
             reason,
             {
@@ -791,9 +795,9 @@ class BatchEngine:
             },
         )
 
-    def _fail(self, seq: _Sequence, code: str, message: str) -> tuple:
+    def _fail(self, seq: _Sequence, code: int, message: str) -> Error:
         self._release(seq, keep_cache=False)
-        return ("error", seq.req.request_id, code, message)
+        return Error(seq.req.request_id, code, message)
 
     def close(self) -> None:
         if self._embed_ctx is not None:
@@ -816,5 +820,5 @@ def grammar_for_schema(schema_json: str) -> str:
         return json_schema_to_gbnf(schema_json)
     except Exception as exc:  # the converter raises ValueError, KeyError, NotImplementedError
         raise EngineError(
-            "INVALID_SCHEMA", f"the JSON schema cannot be expressed as a grammar: {exc}"
+            errors.INVALID_SCHEMA, f"the JSON schema cannot be expressed as a grammar: {exc}"
         ) from None

@@ -4,14 +4,7 @@ llama.cpp aborts the whole process on some failures (a dead RPC peer, a bad tens
 no Python exception to catch. So each replica's model lives in its own process; the agent
 talks to it over a pipe and learns of its death from the pipe closing.
 
-Messages are tuples. Agent -> engine: ("generate", id, payload), ("cancel", id),
-("tokenize", id, payload), ("embed", id, texts), ("shutdown",). Engine -> agent:
-("ready", info), ("load_error", code, message),
-("token", id, text, index, token_ids, prompt_tokens, logprobs),
-("done", id, reason, usage, timings),
-("error", id, code, message), ("tokens", id, tokens, context_length),
-("embeddings", id, vectors, n_tokens), and ("batch", [events]) carrying the token, done and
-error events of one decode step together.
+What crosses the pipe is defined in workers.engine.events.
 """
 
 from __future__ import annotations
@@ -26,7 +19,23 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from workers.engine import errors
 from workers.engine.errors import EngineError
+from workers.engine.events import (
+    Batch,
+    Cancel,
+    Done,
+    Embed,
+    Embeddings,
+    Error,
+    Generate,
+    LoadError,
+    Ready,
+    Shutdown,
+    Token,
+    Tokenize,
+    Tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +80,16 @@ def _build_prompt(engine, formatter, payload: dict) -> list[int]:
     """Tokenize a request the way llama-cpp-python's Llama does, so outputs match it."""
     if payload.get("messages"):
         if formatter is None:
-            raise EngineError("INVALID_ARGUMENT", "this model has no chat template; send a prompt")
+            raise EngineError(
+                errors.INVALID_ARGUMENT, "this model has no chat template; send a prompt"
+            )
         messages, tools = payload["messages"], payload.get("tools")
         if tools and "tools" not in (formatter.template or ""):
             messages, tools = describe_tools(messages, tools), None
         try:
             rendered = formatter(messages=messages, tools=tools).prompt
         except Exception as exc:  # a template may raise_exception() on bad roles
-            raise EngineError("INVALID_ARGUMENT", f"chat template: {exc}") from exc
+            raise EngineError(errors.INVALID_ARGUMENT, f"chat template: {exc}") from exc
         return engine.tokenize(rendered, add_bos=False, special=True)
     return engine.tokenize(payload.get("prompt", ""), add_bos=True, special=True)
 
@@ -135,26 +146,35 @@ class Outbox:
     def __init__(self, conn, interval: float):
         self.conn = conn
         self.interval = interval
-        self.held: dict[str, list] = {}  # id -> [text, token_ids, prompt_tokens, logprobs]
+        self.held: dict[str, Token] = {}  # id -> its pieces not sent yet, as one
         self.last: dict[str, float] = {}  # id -> time of its last piece
         self.index: dict[str, int] = {}  # id -> index of its next piece
-        self.pending: list[tuple] = []  # events of this step, sent by tick()
+        self.pending: list = []  # events of this step, sent by tick()
 
-    def send(self, event: tuple) -> None:
-        kind, rid = event[0], event[1]
-        if kind == "token":
-            held = self.held.setdefault(rid, ["", [], event[5], []])
-            held[0] += event[2]
-            held[1].extend(event[4])
-            held[3].extend(event[6])
+    def send(self, event: Token | Done | Error) -> None:
+        rid = event.id
+        if isinstance(event, Token):
+            held = self.held.get(rid)
+            if held is None:
+                self.held[rid] = Token(
+                    rid,
+                    event.text,
+                    0,
+                    list(event.token_ids),
+                    event.prompt_tokens,
+                    list(event.logprobs),
+                )
+            else:
+                held.text += event.text
+                held.token_ids.extend(event.token_ids)
+                held.logprobs.extend(event.logprobs)
             now = time.monotonic()
             if now - self.last.get(rid, float("-inf")) >= self.interval:
                 self._flush(rid, now)
             return
-        if kind in ("done", "error"):
-            self._flush(rid, 0.0)
-            self.last.pop(rid, None)
-            self.index.pop(rid, None)
+        self._flush(rid, 0.0)
+        self.last.pop(rid, None)
+        self.index.pop(rid, None)
         self.pending.append(event)
 
     def tick(self) -> None:
@@ -166,17 +186,39 @@ class Outbox:
         if len(self.pending) == 1:
             self.conn.send(self.pending[0])
         elif self.pending:
-            self.conn.send(("batch", self.pending))
+            self.conn.send(Batch(self.pending))
         self.pending = []
 
     def _flush(self, rid: str, now: float) -> None:
         held = self.held.pop(rid, None)
         if held is None:
             return
-        index = self.index.get(rid, 0)
-        self.index[rid] = index + 1
+        held.index = self.index.get(rid, 0)
+        self.index[rid] = held.index + 1
         self.last[rid] = now
-        self.pending.append(("token", rid, held[0], index, held[1], held[2], held[3]))
+        self.pending.append(held)
+
+
+def _request(engine, formatter, rid: str, payload: dict):
+    """The engine's Request for a Generate payload; raises EngineError for a bad one."""
+    from workers.engine.core import Request, Sampling, grammar_for_schema
+
+    tokens = _build_prompt(engine, formatter, payload)
+    s = dict(payload.get("sampling") or {})
+    if payload.get("json_schema"):
+        s["grammar"] = grammar_for_schema(payload["json_schema"])
+    return Request(
+        request_id=rid,
+        prompt_tokens=tokens,
+        max_tokens=int(payload.get("max_tokens") or 0),
+        sampling=Sampling(**s),
+        stop=list(payload.get("stop") or []),
+        resume_tokens=list(payload.get("resume_tokens") or []),
+        delivered_bytes=int(payload.get("delivered_bytes") or 0),
+        cache_prompt=bool(payload.get("cache_prompt", True)),
+        logprobs=int(payload.get("logprobs", -1)),
+        n=int(payload.get("n") or 1),
+    )
 
 
 def child_main(conn, config: EngineConfig) -> None:
@@ -189,12 +231,7 @@ def child_main(conn, config: EngineConfig) -> None:
     _quiet_llama_logs()
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    from workers.engine.core import (
-        BatchEngine,
-        Request,
-        Sampling,
-        grammar_for_schema,
-    )
+    from workers.engine.core import BatchEngine
 
     started = time.monotonic()
     try:
@@ -211,10 +248,10 @@ def child_main(conn, config: EngineConfig) -> None:
             batch_invariant=config.batch_invariant,
         )
     except EngineError as exc:
-        conn.send(("load_error", exc.code, exc.message))
+        conn.send(LoadError(exc.code, exc.message))
         return
     except Exception as exc:
-        conn.send(("load_error", "ENGINE_FAILED", f"{type(exc).__name__}: {exc}"))
+        conn.send(LoadError(errors.ENGINE_FAILED, f"{type(exc).__name__}: {exc}"))
         return
     template = engine.meta("tokenizer.chat_template") or config.chat_template
     formatter = None
@@ -223,14 +260,13 @@ def child_main(conn, config: EngineConfig) -> None:
             template=template, eos_token=engine.eos_text(), bos_token=engine.bos_text()
         )
     conn.send(
-        (
-            "ready",
+        Ready(
             {
                 "context_length": engine.context_length,
                 "parallel": engine.parallel,
                 "load_seconds": time.monotonic() - started,
                 "chat_template": bool(template),
-            },
+            }
         )
     )
 
@@ -241,53 +277,33 @@ def child_main(conn, config: EngineConfig) -> None:
         timeout = None if engine.idle() else 0
         while conn.poll(timeout):
             msg = conn.recv()
-            kind = msg[0]
-            if kind == "generate":
-                _, rid, payload = msg
-                try:
-                    tokens = _build_prompt(engine, formatter, payload)
-                    s = dict(payload.get("sampling") or {})
-                    if payload.get("json_schema"):
-                        s["grammar"] = grammar_for_schema(payload["json_schema"])
-                    engine.submit(
-                        Request(
-                            request_id=rid,
-                            prompt_tokens=tokens,
-                            max_tokens=int(payload.get("max_tokens") or 0),
-                            sampling=Sampling(**s),
-                            stop=list(payload.get("stop") or []),
-                            resume_tokens=list(payload.get("resume_tokens") or []),
-                            delivered_bytes=int(payload.get("delivered_bytes") or 0),
-                            cache_prompt=bool(payload.get("cache_prompt", True)),
-                            logprobs=int(payload.get("logprobs", -1)),
-                            n=int(payload.get("n") or 1),
-                        )
-                    )
-                except EngineError as exc:
-                    out.send(("error", rid, exc.code, exc.message))
-            elif kind == "cancel":
-                for event in engine.cancel(msg[1]):
-                    out.send(event)
-            elif kind == "tokenize":
-                _, cid, payload = msg
-                try:
-                    if payload.get("messages"):
-                        tokens = _build_prompt(engine, formatter, payload)
-                    else:
-                        tokens = engine.tokenize(payload.get("text", ""), True, True)
-                    conn.send(("tokens", cid, tokens, engine.context_length))
-                except EngineError as exc:
-                    conn.send(("error", cid, exc.code, exc.message))
-            elif kind == "embed":
-                _, cid, texts = msg
-                try:
-                    vectors, n_tokens = engine.embed(texts)
-                    conn.send(("embeddings", cid, vectors, n_tokens))
-                except EngineError as exc:
-                    conn.send(("error", cid, exc.code, exc.message))
-            elif kind == "shutdown":
-                running = False
-                break
+            match msg:
+                case Generate(id=rid, payload=payload):
+                    try:
+                        engine.submit(_request(engine, formatter, rid, payload))
+                    except EngineError as exc:
+                        out.send(Error(rid, exc.code, exc.message))
+                case Cancel(id=rid):
+                    for event in engine.cancel(rid):
+                        out.send(event)
+                case Tokenize(id=cid, payload=payload):
+                    try:
+                        if payload.get("messages"):
+                            tokens = _build_prompt(engine, formatter, payload)
+                        else:
+                            tokens = engine.tokenize(payload.get("text", ""), True, True)
+                        conn.send(Tokens(cid, tokens, engine.context_length))
+                    except EngineError as exc:
+                        conn.send(Error(cid, exc.code, exc.message))
+                case Embed(id=cid, texts=texts):
+                    try:
+                        vectors, n_tokens = engine.embed(texts)
+                        conn.send(Embeddings(cid, vectors, n_tokens))
+                    except EngineError as exc:
+                        conn.send(Error(cid, exc.code, exc.message))
+                case Shutdown():
+                    running = False
+                    break
             timeout = 0
         out.tick()  # errors and cancellations of the messages just read
         if running and not engine.idle():
@@ -376,7 +392,7 @@ class EngineProcess:
         except TimeoutError:
             self._kill()
             self._set_failed(f"the model did not load within {timeout:.0f} s")
-            raise EngineError("ENGINE_FAILED", self.error) from None
+            raise EngineError(errors.ENGINE_FAILED, self.error) from None
         self.state = "ready"
         self._notify()
         return self.info
@@ -395,22 +411,22 @@ class EngineProcess:
         await asyncio.to_thread(self._proc.join, 5)
         self._on_gone(self._proc.exitcode)
 
-    def _dispatch(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "batch":
-            for event in msg[1]:
-                self._dispatch(event)
-        elif kind == "ready":
-            if not self._ready.done():
-                self._ready.set_result(msg[1])
-        elif kind == "load_error":
-            self._set_failed(msg[2])
-            if not self._ready.done():
-                self._ready.set_exception(EngineError(msg[1], msg[2]))
-        else:
-            queue = self._streams.get(msg[1].partition("#")[0])  # "<id>#<k>": choice k
-            if queue is not None:
-                queue.put_nowait(msg)
+    def _dispatch(self, msg) -> None:
+        match msg:
+            case Batch(events=events):
+                for event in events:
+                    self._dispatch(event)
+            case Ready(info=info):
+                if not self._ready.done():
+                    self._ready.set_result(info)
+            case LoadError(code=code, message=message):
+                self._set_failed(message)
+                if not self._ready.done():
+                    self._ready.set_exception(EngineError(code, message))
+            case _:
+                queue = self._streams.get(msg.id.partition("#")[0])  # "<id>#<k>": choice k
+                if queue is not None:
+                    queue.put_nowait(msg)
 
     def _on_gone(self, exitcode: int | None) -> None:
         if self._stopping:
@@ -421,9 +437,9 @@ class EngineProcess:
                 self._set_failed(describe_exit(exitcode))
             message = self.error
         if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(EngineError("ENGINE_FAILED", message))
+            self._ready.set_exception(EngineError(errors.ENGINE_FAILED, message))
         for rid, queue in list(self._streams.items()):
-            queue.put_nowait(("error", rid, "ENGINE_FAILED", message))
+            queue.put_nowait(Error(rid, errors.ENGINE_FAILED, message))
 
     def _set_failed(self, error: str) -> None:
         self.state = "failed"
@@ -435,19 +451,19 @@ class EngineProcess:
         if self._on_state_change is not None:
             self._on_state_change(self)
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg) -> None:
         # Only coroutines on the agent's loop send, so sends never interleave.
         self._conn.send(msg)
 
     def _require_ready(self) -> None:
         if self.state != "ready":
             raise EngineError(
-                "ENGINE_FAILED", self.error or f"the replica is {self.state}, not ready"
+                errors.ENGINE_FAILED, self.error or f"the replica is {self.state}, not ready"
             )
 
-    async def generate(self, payload: dict) -> AsyncIterator[tuple]:
-        """Yield "token" events, then one "done" event per choice (see the module docstring);
-        choice k > 0 of a request with n choices has events whose id ends in "#k"."""
+    async def generate(self, payload: dict) -> AsyncIterator[Token | Done]:
+        """Yield Token events, then one Done event per choice; choice k > 0 of a request
+        with n choices has events whose id ends in "#k". Raises EngineError."""
         self._require_ready()
         rid = f"g{next(_ids)}"
         queue: asyncio.Queue = asyncio.Queue()
@@ -455,13 +471,13 @@ class EngineProcess:
         finished = False
         remaining = int(payload.get("n") or 1)
         try:
-            self._send(("generate", rid, payload))
+            self._send(Generate(rid, payload))
             while True:
                 msg = await queue.get()
-                if msg[0] == "error":
+                if isinstance(msg, Error):
                     finished = True
-                    raise EngineError(msg[2], msg[3])
-                if msg[0] == "done":
+                    raise EngineError(msg.code, msg.message)
+                if isinstance(msg, Done):
                     remaining -= 1
                     finished = remaining == 0
                     yield msg
@@ -474,31 +490,30 @@ class EngineProcess:
             if not finished and self.state == "ready":
                 # The caller went away: free the slot now, not at the end of the text.
                 try:
-                    self._send(("cancel", rid))
+                    self._send(Cancel(rid))
                 except OSError:
                     pass
 
     async def tokenize(self, payload: dict) -> tuple[list[int], int]:
-        msg = await self._ask("tokenize", payload)
-        return msg[2], msg[3]
+        msg = await self._ask(Tokenize(f"q{next(_ids)}", payload))
+        return msg.tokens, msg.context_length
 
     async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
-        msg = await self._ask("embed", texts)
-        return msg[2], msg[3]
+        msg = await self._ask(Embed(f"q{next(_ids)}", texts))
+        return msg.vectors, msg.n_tokens
 
-    async def _ask(self, kind: str, payload) -> tuple:
+    async def _ask(self, question: Tokenize | Embed) -> Tokens | Embeddings:
         """One request, one answer (or an error) from the engine process."""
         self._require_ready()
-        rid = f"q{next(_ids)}"
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = queue
+        self._streams[question.id] = queue
         try:
-            self._send((kind, rid, payload))
+            self._send(question)
             msg = await queue.get()
         finally:
-            del self._streams[rid]
-        if msg[0] == "error":
-            raise EngineError(msg[2], msg[3])
+            del self._streams[question.id]
+        if isinstance(msg, Error):
+            raise EngineError(msg.code, msg.message)
         return msg
 
     async def stop(self, timeout: float = 10.0) -> None:
@@ -509,7 +524,7 @@ class EngineProcess:
             return
         if self._proc.is_alive():
             try:
-                self._send(("shutdown",))
+                self._send(Shutdown())
             except OSError:
                 pass
             # join() blocks: wait in a thread so the agent keeps serving other replicas.

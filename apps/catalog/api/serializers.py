@@ -51,7 +51,7 @@ class CatalogModelSerializer(serializers.ModelSerializer):
 
     def get_deployments(self, model) -> list[str]:
         """Deployments that use this model (stopped ones excluded)."""
-        return [d.name for d in model.deployments.all() if d.state != "stopped"]
+        return [d.name for d in model.deployments.all() if d.state != d.State.STOPPED]
 
 
 class QuantizeJobSerializer(serializers.ModelSerializer):

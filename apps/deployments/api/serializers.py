@@ -156,17 +156,18 @@ class DeploymentSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
     def get_plan(self, d) -> dict | None:
-        """The plan the newest live replica came from (else the newest plan)."""
-        live = d.replica_set.filter(state__in=Replica.LIVE, plan__isnull=False).order_by(
-            "-created_at"
-        )
-        first = live.first()
-        plan = first.plan if first else d.plans.first()
+        """The plan the newest live replica came from (else the newest plan); read from the
+        replicas already loaded (prefetched by the console's snapshot)."""
+        live = [r for r in d.replica_set.all() if r.state in Replica.LIVE and r.plan_id]
+        plan = max(live, key=lambda r: r.created_at).plan if live else d.plans.first()
         return ShardPlanSerializer(plan).data if plan else None
 
     def get_autoscaling(self, d) -> dict | None:
-        policy = ScalingPolicy.objects.filter(deployment=d).first()
-        return AutoscalingSerializer(policy).data if policy else None
+        try:
+            policy = d.autoscaling
+        except ScalingPolicy.DoesNotExist:
+            return None
+        return AutoscalingSerializer(policy).data
 
     def get_recent_events(self, d) -> list[dict]:
         return EventSerializer(d.events.all()[:10], many=True).data
@@ -175,9 +176,13 @@ class DeploymentSerializer(serializers.ModelSerializer):
 class CreateDeploymentSerializer(serializers.Serializer):
     name = serializers.SlugField(required=False, help_text="Defaults to the model name.")
     model = serializers.SlugField(help_text="Catalog name of a ready model.")
-    replicas = serializers.IntegerField(default=1, min_value=1, max_value=64)
-    context_length = serializers.IntegerField(required=False, min_value=16)
-    parallel = serializers.IntegerField(required=False, min_value=1, max_value=256)
+    replicas = serializers.IntegerField(default=1, min_value=1, max_value=Deployment.MAX_REPLICAS)
+    context_length = serializers.IntegerField(
+        required=False, min_value=Deployment.MIN_CONTEXT, max_value=Deployment.MAX_CONTEXT
+    )
+    parallel = serializers.IntegerField(
+        required=False, min_value=1, max_value=Deployment.MAX_PARALLEL
+    )
     routing_policy = serializers.ChoiceField(
         choices=Deployment.Routing.choices,
         required=False,
@@ -214,4 +219,4 @@ class PlanRequestSerializer(CreateDeploymentSerializer):
 
 
 class ScaleSerializer(serializers.Serializer):
-    replicas = serializers.IntegerField(min_value=1, max_value=64)
+    replicas = serializers.IntegerField(min_value=1, max_value=Deployment.MAX_REPLICAS)

@@ -1,6 +1,6 @@
 from rest_framework import serializers
 
-from apps.nodes.models import Node, NodeLink
+from apps.nodes.models import LinkJob, Node, NodeLink
 
 
 class NodeSerializer(serializers.ModelSerializer):
@@ -52,4 +52,16 @@ class NodeLinkSerializer(serializers.ModelSerializer):
     class Meta:
         model = NodeLink
         fields = ["source", "target", "rtt_ms", "mbit_s", "error", "measured_at"]
+        read_only_fields = fields
+
+
+class LinkJobSerializer(serializers.ModelSerializer):
+    progress = serializers.FloatField(read_only=True, allow_null=True)
+
+    class Meta:
+        model = LinkJob
+        fields = [
+            "id", "state", "phase", "nodes", "pairs_done", "pairs_total", "progress", "error",
+            "created_at", "started_at", "finished_at",
+        ]  # fmt: skip
         read_only_fields = fields

@@ -11,10 +11,23 @@ from rest_framework.response import Response
 from apps.accounts.permissions import IsOperator
 from apps.nodes import services
 from apps.nodes.api.permissions import HasNodeToken, node_token_ok
-from apps.nodes.api.serializers import NodeLinkSerializer, NodePriceSerializer, NodeSerializer
-from apps.nodes.models import Node, NodeLink
+from apps.nodes.api.serializers import (
+    LinkJobSerializer,
+    NodeLinkSerializer,
+    NodePriceSerializer,
+    NodeSerializer,
+)
+from apps.nodes.models import LinkJob, Node, NodeLink
 from controlplane import strictjson
 from controlplane.errors import DomainError
+
+
+class LinkJobViewSet(viewsets.ReadOnlyModelViewSet):
+    """Rounds of link measurements, newest first, with their progress (operators)."""
+
+    permission_classes = [IsOperator]
+    queryset = LinkJob.objects.all()
+    serializer_class = LinkJobSerializer
 
 
 class NodeViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
@@ -37,14 +50,13 @@ class NodeViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
         page = self.paginate_queryset(NodeLink.objects.select_related("source", "target"))
         return self.get_paginated_response(NodeLinkSerializer(page, many=True).data)
 
-    @extend_schema(request=None, responses={202: None})
+    @extend_schema(request=None, responses={202: LinkJobSerializer})
     @action(detail=False, methods=["post"], url_path="measure-links")
     def measure_links(self, request):
-        """Start measuring links between ready nodes (a background job); GET links after."""
-        from apps.nodes.tasks import measure_links
-
-        job = measure_links.delay()
-        return Response({"task_id": job.id}, status=202)
+        """Start measuring links between ready nodes (a job: follow it at
+        /api/v1/link-jobs/<id>/); GET links after."""
+        job = services.start_link_job()
+        return Response(LinkJobSerializer(job).data, status=202)
 
     @extend_schema(request=None, responses={200: NodeSerializer})
     @action(detail=True, methods=["post"])

@@ -30,6 +30,8 @@ ROUTES = {
     "api/v1/nodes/": OPERATOR,
     "api/v1/nodes/links/": OPERATOR,
     "api/v1/nodes/measure-links/": OPERATOR,
+    "api/v1/link-jobs/": OPERATOR,
+    "api/v1/link-jobs/{pk}/": OPERATOR,
     "api/v1/nodes/{name}/": OPERATOR,
     "api/v1/nodes/{name}/drain/": OPERATOR,
     "api/v1/nodes/{name}/price/": OPERATOR,
@@ -114,7 +116,7 @@ def test_every_route_declares_a_role():
 def callers(alice_key, olga_key, settings, monkeypatch):
     from apps.nodes import tasks
 
-    monkeypatch.setattr(tasks.measure_links, "delay", lambda: type("J", (), {"id": "x"})())
+    monkeypatch.setattr(tasks.measure_links, "delay", lambda *a: type("J", (), {"id": "x"})())
     return {
         ANON: key_client(None),
         APP: key_client(alice_key),

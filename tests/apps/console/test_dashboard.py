@@ -36,8 +36,50 @@ async def test_staff_get_snapshots_that_follow_the_fleet(alice, async_client):
     assert hour["reset"] is True and isinstance(hour["series"], list) and hour["step"] == 10
     await sync_to_async(Node.objects.create)(name="n1", address="10.0.0.1:1")
     second = await comm.receive_json_from(timeout=10)  # sent because something changed
-    assert [n["name"] for n in second["nodes"]] == ["n1"]
+    assert set(second) == {"delta"} and set(second["delta"]) == {"nodes"}  # what changed
+    assert [n["name"] for n in second["delta"]["nodes"]] == ["n1"]
     await comm.disconnect()
+
+
+async def test_consoles_share_one_snapshot_and_query_nothing_without_a_change(
+    alice, async_client, monkeypatch
+):
+    """Three consoles: one snapshot built for all on each change, none while nothing changes."""
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+
+    from apps.console import live, services
+    from apps.nodes.models import Node
+    from tests.conftest import async_wait_for
+
+    builds = []
+    real = services.snapshot
+    monkeypatch.setattr(services, "snapshot", lambda: builds.append(1) or real())
+    alice.is_staff = True
+    await alice.asave()
+    await async_client.aforce_login(alice)
+    await async_wait_for(live.announcer.quiet, timeout=10)  # the last test's writes are told
+    consoles = []
+    for _ in range(3):
+        comm, connected, _ = await connect(async_client)
+        assert connected
+        first = await comm.receive_json_from(timeout=10)
+        assert "nodes" in first
+        await comm.receive_json_from(timeout=10)  # the charts' hour
+        consoles.append(comm)
+    assert len(builds) == 1  # the later consoles got the snapshot already built
+    await asyncio.sleep(2.0)
+    for comm in consoles:
+        assert await comm.receive_nothing(timeout=0.1)
+    assert len(builds) == 1  # nothing changed: nobody asked the database
+    await sync_to_async(Node.objects.create)(name="n2", address="10.0.0.2:1")
+    for comm in consoles:
+        delta = await comm.receive_json_from(timeout=10)
+        assert [n["name"] for n in delta["delta"]["nodes"]] == ["n2"]
+    assert len(builds) == 2  # one build for the change, shared by the three
+    for comm in consoles:
+        await comm.disconnect()
 
 
 async def test_others_are_refused(alice, async_client):

@@ -167,7 +167,9 @@ def test_a_crashed_engine_is_replaced_after_its_back_off(
     ops, smollm2_model, registered_agent, celery_worker_thread, monkeypatch
 ):
     """Restart policy "always" (the default): no redeploy needed after an engine crash."""
-    monkeypatch.setattr(services, "RESTART_FIRST_DELAY", 1)
+    from apps.deployments.services import reconciling
+
+    monkeypatch.setattr(reconciling, "RESTART_FIRST_DELAY", 1)
     r, pid = deploy_one_replica(ops, registered_agent)
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: registered_agent.agent.service.replicas[str(r.pk)].engine.state == "failed")
@@ -258,13 +260,41 @@ def test_a_load_whose_worker_died_fails_with_the_reason_and_one_never_sent_is_re
     )  # fmt: skip
     waiting = Replica.objects.create(deployment=d, node=node, state="pending")
     Replica.objects.filter(pk=waiting.pk).update(created_at=timezone.now() - timedelta(minutes=5))
-    assert services.expire_leases() == {"lost": 1, "resent": 1}
+    assert services.expire_leases() == {"lost": 1, "resent": 1, "refreed": 0}
     held.refresh_from_db()
     fresh.refresh_from_db()
     assert held.state == "failed" and "did not finish within its lease" in held.error
     assert fresh.state == "loading" and sent == [str(waiting.pk)]
     d.refresh_from_db()
     assert d.restarts == 1  # the restart policy takes it from there
+
+
+def test_a_free_that_did_not_finish_within_its_lease_is_sent_again(
+    db, smollm2_model, monkeypatch
+):
+    from apps.deployments import tasks
+
+    freed = []
+    monkeypatch.setattr(tasks.free_replica, "delay", lambda pk: freed.append(pk))
+    node = Node.objects.create(name="n", address="127.0.0.1:9")
+    d = Deployment.objects.create(
+        name="d", model=smollm2_model, replicas=1, context_length=256, parallel=1
+    )
+    lost = Replica.objects.create(
+        deployment=d, node=node, state="stopping",
+        lease_expires_at=timezone.now() - timedelta(seconds=1),
+    )  # fmt: skip
+    going = Replica.objects.create(deployment=d, node=node, state="ready")
+    d.replicas = 0
+    Deployment.objects.filter(pk=d.pk).update(state=Deployment.State.STOPPING)
+    services.reconcile(d.pk)  # sets `going` stopping, with a lease of its own
+    going.refresh_from_db()
+    assert going.state == "stopping" and going.lease_expires_at > timezone.now()
+    freed.clear()  # what reconcile sent for `going`
+    assert services.expire_leases() == {"lost": 0, "resent": 0, "refreed": 1}
+    assert freed == [str(lost.pk)]
+    lost.refresh_from_db()
+    assert lost.state == "stopping" and lost.lease_expires_at > timezone.now()  # a new lease
 
 
 def test_an_agent_restart_fails_everything_of_its_previous_boot_at_once(

@@ -14,7 +14,7 @@ from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
 from tests.apps.serving_client import post, read_killing_replica, sse_payloads
-from tests.conftest import CHAT, SMOLLM2
+from tests.conftest import CHAT, SMOLLM2, async_wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -347,12 +347,11 @@ async def test_a_client_that_hangs_up_frees_its_slot_at_once(two_replicas, alice
             assert agents[replica].agent.service.replicas[replica].engine.in_flight == 1
     # The connection is closed: the agent's slot and the shared count go back to zero.
     engine = agents[replica].agent.service.replicas[replica].engine
-    for _ in range(100):
-        if not engine.in_flight and not (await balancer.in_flight([replica]))[replica]:
-            break
-        await asyncio.sleep(0.05)
-    assert engine.in_flight == 0
-    assert (await balancer.in_flight([replica]))[replica] == 0
+
+    async def settled():
+        return not engine.in_flight and not (await balancer.in_flight([replica]))[replica]
+
+    await async_wait_for(settled, timeout=5)
 
 
 async def test_a_stopping_web_process_finishes_its_streams_and_writes_their_usage(

@@ -6,7 +6,7 @@ import pytest
 from channels.testing import WebsocketCommunicator
 
 from controlplane.asgi import application
-from tests.conftest import CHAT, SMOLLM2
+from tests.conftest import CHAT, SMOLLM2, async_wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -146,11 +146,8 @@ async def test_disconnect_frees_the_slot_at_once(deployed, alice_key):
         pass
     await comm.disconnect()
     service = deployed.agent.service
-    for _ in range(100):
-        if service.replicas[deployed.replica_id].engine.in_flight == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert service.replicas[deployed.replica_id].engine.in_flight == 0
+    engine = service.replicas[deployed.replica_id].engine
+    await async_wait_for(lambda: engine.in_flight == 0, timeout=5)
 
 
 async def test_an_idle_socket_outlives_the_channel_layers_read_timeout(deployed, alice_key):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import io
-import time
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -13,6 +12,7 @@ import pytest
 
 from apps.usage import services
 from apps.usage.models import NodeUsage, Report, UsageRecord
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -243,9 +243,7 @@ def test_the_beat_schedule_runs_the_report_through_the_broker(celery_worker_thre
     beat.start()
     try:
         start, end = services.period("daily")
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not Report.objects.filter(start=start).exists():
-            time.sleep(0.2)
+        wait_for(lambda: Report.objects.filter(start=start).exists(), timeout=30, interval=0.2)
         report = Report.objects.get(kind="daily", start=start, end=end)
         assert report.data["totals"]["requests"] == 0
     finally:

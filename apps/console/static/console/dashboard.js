@@ -1,5 +1,6 @@
-// The fleet dashboard: tables redrawn from each snapshot of /ws/v1/console; actions call the
-// REST API, and their progress shows in the next snapshots.
+// The fleet dashboard: tables drawn from /ws/v1/console's snapshot, redrawn as the sections
+// that changed arrive ({delta: {...}}); traffic figures come with the charts' points. Actions
+// call the REST API, and their progress shows in the next changes.
 (() => {
   const { el, api, bytes, bar, say, socket } = LF;
   const live = document.getElementById("live");
@@ -16,10 +17,25 @@
     body.replaceChildren(...rows);
   }
 
-  function age(seconds) {
+  // The fleet as last sent, when its nodes arrived (their heartbeat ages count on from
+  // there, without a message), and the deployments' latest traffic figures.
+  let state = null, nodesAt = 0, traffic = {};
+
+  function ageText(seconds) {
     if (seconds === null || seconds === undefined) return "never";
     return seconds < 60 ? `${Math.round(seconds)} s ago` : `${Math.round(seconds / 60)} min ago`;
   }
+
+  function age(seconds) {
+    const cell = el("span", { class: "age" }, ageText(seconds));
+    if (seconds !== null && seconds !== undefined) cell.dataset.seconds = String(seconds);
+    return cell;
+  }
+
+  setInterval(() => {
+    const elapsed = (Date.now() - nodesAt) / 1000;
+    for (const c of document.querySelectorAll("#nodes .age[data-seconds]")) c.textContent = ageText(Number(c.dataset.seconds) + elapsed);
+  }, 1000);
 
   // A plan drawn (LFPlans), with the planner's words under it: its warnings, and on request
   // its reasons. A split with several copies draws each copy.
@@ -145,7 +161,7 @@
     fill("models", familyOrder(snap.models).map(([m, depth]) => modelRow(m, depth, snap)));
 
     fill("deployments", snap.deployments.map((d) => {
-      const f = d.figures;
+      const f = traffic[d.name];
       const figures = f ? `${f.requests} req, ${f.tokens_per_s ? f.tokens_per_s.toFixed(1) : "–"} tok/s, first token ${f.ttft_ms ? Math.round(f.ttft_ms) : "–"} ms` : "no traffic";
       const scale = el("input", { type: "number", min: "1", max: "64", value: String(d.replicas), class: "tiny", "aria-label": `replicas of ${d.name}` });
       return el("tr", { "data-deployment": d.name },
@@ -168,8 +184,15 @@
     ws.onopen = () => { live.textContent = "Live"; live.dataset.state = "live"; };
     ws.onmessage = (e) => {
       const data = JSON.parse(e.data);
-      if (data.series) { LFCharts.receive(data); return; }
-      render(data); live.textContent = `Live · updated ${new Date().toLocaleTimeString()}`; document.body.dataset.snapshots = String(Number(document.body.dataset.snapshots || 0) + 1); };
+      if (data.series) {
+        LFCharts.receive(data);
+        const last = data.series[data.series.length - 1];
+        if (last && last.figures) { traffic = last.figures; if (state) render(state); }
+        return;
+      }
+      state = data.delta ? { ...state, ...data.delta } : data;
+      if (!data.delta || data.delta.nodes) nodesAt = Date.now();
+      render(state); live.textContent = `Live · updated ${new Date().toLocaleTimeString()}`; document.body.dataset.snapshots = String(Number(document.body.dataset.snapshots || 0) + 1); };
     ws.onclose = () => { live.textContent = "Disconnected; reconnecting…"; live.dataset.state = "down"; setTimeout(connect, 2000); };
   }
 

@@ -32,6 +32,14 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_OVERLOADED: _ClassVar[ErrorCode]
     ERROR_CODE_INVALID_ARGUMENT: _ClassVar[ErrorCode]
     ERROR_CODE_INVALID_SCHEMA: _ClassVar[ErrorCode]
+    ERROR_CODE_DRAINING: _ClassVar[ErrorCode]
+    ERROR_CODE_ENDPOINT_IN_USE: _ClassVar[ErrorCode]
+
+class SplitMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPLIT_MODE_NONE: _ClassVar[SplitMode]
+    SPLIT_MODE_LAYER: _ClassVar[SplitMode]
+    SPLIT_MODE_TENSOR: _ClassVar[SplitMode]
 REPLICA_STATE_UNSPECIFIED: ReplicaState
 REPLICA_STATE_LOADING: ReplicaState
 REPLICA_STATE_READY: ReplicaState
@@ -49,6 +57,11 @@ ERROR_CODE_BAD_MODEL_FILE: ErrorCode
 ERROR_CODE_OVERLOADED: ErrorCode
 ERROR_CODE_INVALID_ARGUMENT: ErrorCode
 ERROR_CODE_INVALID_SCHEMA: ErrorCode
+ERROR_CODE_DRAINING: ErrorCode
+ERROR_CODE_ENDPOINT_IN_USE: ErrorCode
+SPLIT_MODE_NONE: SplitMode
+SPLIT_MODE_LAYER: SplitMode
+SPLIT_MODE_TENSOR: SplitMode
 
 class ModelFile(_message.Message):
     __slots__ = ("sha256", "size_bytes", "download_url")
@@ -88,11 +101,11 @@ class LoadModelRequest(_message.Message):
     chat_template: str
     rpc_servers: _containers.RepeatedScalarFieldContainer[str]
     n_gpu_layers: int
-    split_mode: int
+    split_mode: SplitMode
     tensor_split: _containers.RepeatedScalarFieldContainer[float]
     batch_invariant: bool
     files: _containers.RepeatedCompositeFieldContainer[ModelFile]
-    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ..., chat_template: _Optional[str] = ..., rpc_servers: _Optional[_Iterable[str]] = ..., n_gpu_layers: _Optional[int] = ..., split_mode: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., batch_invariant: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ...) -> None: ...
+    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ..., chat_template: _Optional[str] = ..., rpc_servers: _Optional[_Iterable[str]] = ..., n_gpu_layers: _Optional[int] = ..., split_mode: _Optional[_Union[SplitMode, str]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., batch_invariant: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("state", "error", "memory_bytes", "load_seconds")

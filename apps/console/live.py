@@ -1,0 +1,177 @@
+"""The dashboard pushed by changes: no console queries the database unless the fleet changed.
+
+Writers need not know about the console. Every committed INSERT, UPDATE or DELETE on a table
+the dashboard shows (nodes, deployments, catalog) pokes this process's announcer, whatever
+made it (a service, a conditional claim, a heartbeat, a Celery task). The announcer coalesces
+a burst of pokes and tells every web process once, through the Channels group `console`.
+There, one Feed per process rebuilds the snapshot once, however many consoles are open, and
+each console gets only the sections that changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import threading
+import weakref
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import transaction
+
+log = logging.getLogger(__name__)
+
+#: The Channels group every open dashboard joins (the charts' points use it too).
+GROUP = "console"
+#: Apps whose tables the dashboard shows.
+WATCHED_APPS = ("nodes", "deployments", "catalog")
+#: A burst of writes within this many seconds is announced once.
+COALESCE_SECONDS = 0.2
+
+_WRITE = re.compile(r'^\s*(?:UPDATE|INSERT\s+INTO|DELETE\s+FROM|TRUNCATE)\s+"?(\w+)"?', re.I)
+_TABLES = re.compile(r'"(\w+)"')
+_watched: frozenset[str] = frozenset()
+
+
+def watch() -> None:
+    """Install the write hook on every database connection (AppConfig.ready)."""
+    global _watched
+    from django.apps import apps
+    from django.db.backends.signals import connection_created
+
+    _watched = frozenset(
+        m._meta.db_table for label in WATCHED_APPS for m in apps.get_app_config(label).get_models()
+    )
+    connection_created.connect(_hook, dispatch_uid="console-live-hook")
+
+
+def _hook(sender, connection, **kwargs) -> None:
+    if _on_write not in connection.execute_wrappers:
+        connection.execute_wrappers.append(_on_write)
+
+
+def _on_write(execute, sql, params, many, context):
+    result = execute(sql, params, many, context)
+    m = _WRITE.match(sql)
+    if m and (
+        m.group(1) in _watched
+        or (sql.lstrip()[:8].upper() == "TRUNCATE" and _watched.intersection(_TABLES.findall(sql)))
+    ):
+        # After the commit (at once in autocommit): readers then see the change.
+        transaction.on_commit(announcer.poke, using=context["connection"].alias)
+    return result
+
+
+class _Announcer:
+    """A thread of its own per process, so that a write never waits for Redis."""
+
+    def __init__(self):
+        self._poked = threading.Event()
+        self._quiet = threading.Event()
+        self._quiet.set()
+        self._pid = 0
+        self.sent = 0
+
+    def quiet(self) -> bool:
+        """Nothing waits to be announced (tests wait for this before they count)."""
+        return self._quiet.is_set()
+
+    def poke(self) -> None:
+        if self._pid != os.getpid():  # first poke in this process (or after a fork)
+            self._pid = os.getpid()
+            self._poked = threading.Event()
+            self._quiet = threading.Event()
+            threading.Thread(target=self._run, name="console-announcer", daemon=True).start()
+        self._quiet.clear()
+        self._poked.set()
+
+    def _run(self) -> None:
+        from channels.layers import get_channel_layer
+
+        loop = asyncio.new_event_loop()
+        layer = get_channel_layer()
+        poked, quiet = self._poked, self._quiet
+        while True:
+            poked.wait()
+            loop.run_until_complete(asyncio.sleep(COALESCE_SECONDS))
+            poked.clear()
+            try:
+                loop.run_until_complete(layer.group_send(GROUP, {"type": "fleet.changed"}))
+                self.sent += 1
+            except Exception as exc:  # Redis away: the next change announces again
+                log.warning("console: could not announce a change (%s)", exc)
+            if not poked.is_set():
+                quiet.set()
+
+
+announcer = _Announcer()
+
+
+class Feed:
+    """The dashboard's snapshot in one process, rebuilt once per announced change and shared
+    by every console the process serves; kept as JSON per section."""
+
+    def __init__(self):
+        self.sections: dict[str, str] = {}
+        self.version = 0
+        self._stale = True
+        self._building: asyncio.Task | None = None
+        self._open = 0
+
+    def changed(self) -> None:
+        self._stale = True
+
+    def join(self) -> None:
+        self._open += 1
+
+    def leave(self) -> None:
+        """A console closed. With none left open, changes reach nobody here: the snapshot
+        cannot be trusted any more, and the next console gets a fresh one."""
+        self._open -= 1
+        if self._open <= 0:
+            self._open = 0
+            self._stale = True
+
+    async def current(self) -> tuple[int, dict[str, str]]:
+        while self._stale:
+            if self._building is None:
+                self._building = asyncio.ensure_future(self._build())
+            await asyncio.shield(self._building)
+        return self.version, self.sections
+
+    async def _build(self) -> None:
+        from channels.db import database_sync_to_async
+
+        from apps.console.services import snapshot
+
+        self._stale = False  # a change during the build makes it stale again
+        try:
+            snap = await database_sync_to_async(snapshot)()
+            sections = {k: json.dumps(v, cls=DjangoJSONEncoder) for k, v in snap.items()}
+            if sections != self.sections:
+                self.sections, self.version = sections, self.version + 1
+        except Exception:
+            self._stale = True
+            raise
+        finally:
+            self._building = None
+
+
+_feeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def feed() -> Feed:
+    """This event loop's Feed (one per web process)."""
+    loop = asyncio.get_running_loop()
+    f = _feeds.get(loop)
+    if f is None:
+        f = _feeds[loop] = Feed()
+    return f
+
+
+def message(sections: dict[str, str], key: str = "") -> str:
+    """A socket message of JSON sections: the whole snapshot, or {"delta": {...}}."""
+    body = "{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in sections.items()) + "}"
+    return "{" + f"{json.dumps(key)}: {body}" + "}" if key else body
