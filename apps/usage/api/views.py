@@ -1,7 +1,8 @@
 from datetime import UTC
 
 from django.http import HttpResponse
-from django.utils.dateparse import parse_datetime
+from django_filters import rest_framework as filters
+from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status, viewsets
@@ -15,6 +16,27 @@ from apps.usage.api.serializers import NewReportSerializer, ReportSerializer, Us
 from apps.usage.models import Report, UsageRecord
 
 
+class UsageFilter(filters.FilterSet):
+    model = filters.CharFilter(help_text="Only this model's records.")
+    outcome = filters.ChoiceFilter(choices=UsageRecord.Outcome.choices)
+    since = filters.IsoDateTimeFilter(
+        method="started_since",
+        help_text="Records that started at or after this ISO 8601 date and time.",
+        error_messages={"invalid": "must be an ISO 8601 date and time"},
+    )
+
+    class Meta:
+        model = UsageRecord
+        fields = ["model", "outcome", "since"]
+
+    def started_since(self, queryset, name, value):
+        try:
+            value = value.astimezone(UTC)  # PostgreSQL takes offsets up to 15:59 only
+        except (OverflowError, ValueError):
+            raise ValidationError({"since": "must be an ISO 8601 date and time"}) from None
+        return queryset.filter(started_at__gte=value)
+
+
 class UsageViewSet(viewsets.ReadOnlyModelViewSet):
     """Usage records: an application's own, or everyone's for operators. Filters: ?model=,
     ?outcome=, ?since=."""
@@ -22,6 +44,8 @@ class UsageViewSet(viewsets.ReadOnlyModelViewSet):
     permission_classes = [IsApplication]
     serializer_class = UsageRecordSerializer
     lookup_field = "request_id"
+    filter_backends = [DjangoFilterBackend]
+    filterset_class = UsageFilter
 
     def get_queryset(self):
         if getattr(self, "swagger_fake_view", False):  # the schema generator has no caller
@@ -29,32 +53,7 @@ class UsageViewSet(viewsets.ReadOnlyModelViewSet):
         qs = UsageRecord.objects.all()
         if not is_operator(self.request.user):
             qs = qs.filter(user=self.request.user)
-        p = self.request.query_params
-        if p.get("model"):
-            qs = qs.filter(model=p["model"])
-        if p.get("outcome"):
-            qs = qs.filter(outcome=p["outcome"])
-        if p.get("since"):
-            try:
-                since = parse_datetime(p["since"]) if len(p["since"]) < 40 else None
-                if since is not None and since.tzinfo is not None:
-                    since = since.astimezone(UTC)  # PostgreSQL takes offsets up to 15:59 only
-            except (ValueError, OverflowError):
-                since = None
-            if since is None:
-                raise ValidationError({"since": "must be an ISO 8601 date and time"})
-            qs = qs.filter(started_at__gte=since)
         return qs
-
-    @extend_schema(
-        parameters=[
-            OpenApiParameter("model", str),
-            OpenApiParameter("outcome", str),
-            OpenApiParameter("since", OpenApiTypes.DATETIME),
-        ],
-    )
-    def list(self, request, *args, **kwargs):
-        return super().list(request, *args, **kwargs)
 
     @extend_schema(
         parameters=[OpenApiParameter("hours", int, description="1 to 168; 24 by default")],

@@ -269,9 +269,7 @@ def test_a_load_whose_worker_died_fails_with_the_reason_and_one_never_sent_is_re
     assert d.restarts == 1  # the restart policy takes it from there
 
 
-def test_a_free_that_did_not_finish_within_its_lease_is_sent_again(
-    db, smollm2_model, monkeypatch
-):
+def test_a_free_that_did_not_finish_within_its_lease_is_sent_again(db, smollm2_model, monkeypatch):
     from apps.deployments import tasks
 
     freed = []

@@ -248,3 +248,20 @@ def test_the_beat_schedule_runs_the_report_through_the_broker(celery_worker_thre
         assert report.data["totals"]["requests"] == 0
     finally:
         beat.stop()
+
+
+def test_usage_filters_check_their_values(fleet, api, alice):
+    """django-filter: a known outcome filters, an unknown one or a bad date is a 400 naming
+    the parameter, and any UTC offset is taken (PostgreSQL alone refuses those past 15:59)."""
+    alice.is_staff = True  # an operator sees every application's records
+    alice.save()
+    assert api.get("/api/v1/usage/?outcome=rejected").json()["count"] == 1
+    bad = api.get("/api/v1/usage/?outcome=exploded")
+    assert bad.status_code == 400 and "outcome" in bad.json()
+    bad = api.get("/api/v1/usage/?since=yesterday")
+    assert bad.status_code == 400
+    assert bad.json() == {"since": ["must be an ISO 8601 date and time"]}
+    far = api.get("/api/v1/usage/", {"since": "2000-01-01T00:00:00+23:00"})
+    assert far.status_code == 200 and far.json()["count"] >= 1
+    later = api.get("/api/v1/usage/", {"since": "2999-01-01T00:00:00Z"})
+    assert later.status_code == 200 and later.json()["count"] == 0
