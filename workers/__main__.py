@@ -21,7 +21,15 @@ def _env(name: str, default: str = "") -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("agent", help="run the node agent")
+    _agent_options(sub.add_parser("agent", help="run the node agent"))
+    _pki_options(sub.add_parser("pki", help="make a cluster CA and certificates for mutual TLS"))
+    args = parser.parse_args(argv)
+    if args.command == "pki":
+        return _pki(args)
+    return _agent(args, parser)
+
+
+def _agent_options(a: argparse.ArgumentParser) -> None:
     a.add_argument(
         "--name",
         default=_env("LLAMAFLEET_NODE_NAME", socket.gethostname()),
@@ -108,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             help=f"PEM {what} for mutual TLS under the cluster CA ({env}); without TLS files "
             "the agent listens on loopback only",
         )
-    k = sub.add_parser("pki", help="make a cluster CA and certificates for mutual TLS")
+
+
+def _pki_options(k: argparse.ArgumentParser) -> None:
     k.add_argument("--dir", default="var/pki", help="where the CA and certificates are kept")
     k.add_argument("--name", default="", help="issue a certificate of this name (else: CA only)")
     k.add_argument(
@@ -118,22 +128,27 @@ def main(argv: list[str] | None = None) -> int:
         help="a DNS name or IP address the certificate is for (repeat); an agent's advertise "
         "host, or anything for the control plane (it only dials)",
     )
-    args = parser.parse_args(argv)
-    if args.command == "pki":
-        from pathlib import Path
 
-        from workers import tls
 
-        directory = Path(args.dir)
-        tls.make_ca(directory)
-        print(f"CA: {directory / 'ca.pem'} (keep {directory / 'ca-key.pem'} private)")
-        if args.name:
-            files = tls.issue(directory, args.name, args.host or [args.name])
-            print(f"LLAMAFLEET_TLS_CA={files.ca}")
-            print(f"LLAMAFLEET_TLS_CERT={files.cert}")
-            print(f"LLAMAFLEET_TLS_KEY={files.key}")
-        return 0
+def _pki(args) -> int:
+    """A cluster CA (kept if it exists), and a certificate when a name is given."""
+    from pathlib import Path
 
+    from workers import tls
+
+    directory = Path(args.dir)
+    tls.make_ca(directory)
+    print(f"CA: {directory / 'ca.pem'} (keep {directory / 'ca-key.pem'} private)")
+    if args.name:
+        files = tls.issue(directory, args.name, args.host or [args.name])
+        print(f"LLAMAFLEET_TLS_CA={files.ca}")
+        print(f"LLAMAFLEET_TLS_CERT={files.cert}")
+        print(f"LLAMAFLEET_TLS_KEY={files.key}")
+    return 0
+
+
+def _agent(args, parser: argparse.ArgumentParser) -> int:
+    """Run the agent until it is told to stop; 2 for a configuration it refuses."""
     token = _env("LLAMAFLEET_NODE_TOKEN")
     if not token:
         parser.error("LLAMAFLEET_NODE_TOKEN must be set: the secret shared with the control plane")
