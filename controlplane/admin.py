@@ -3,10 +3,8 @@
 from django.contrib import admin
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """For state the services own (deployments, replicas, nodes, pulls, usage): the admin
-    shows it, and every change goes through the API or the console, past the services'
-    checks. Nothing here can add, edit or delete a row."""
+class _ReadOnly:
+    """No add, change or delete: the admin only shows."""
 
     def has_add_permission(self, request, obj=None):
         return False
@@ -18,16 +16,13 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
-class ReadOnlyInline(admin.TabularInline):
+class ReadOnlyAdmin(_ReadOnly, admin.ModelAdmin):
+    """For state the services own (deployments, replicas, nodes, pulls, usage): the admin
+    shows it, and every change goes through the API or the console, past the services'
+    checks."""
+
+
+class ReadOnlyInline(_ReadOnly, admin.TabularInline):
     """An inline of ReadOnlyAdmin."""
 
     extra = 0
-
-    def has_add_permission(self, request, obj=None):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False

@@ -185,6 +185,23 @@ def test_admin_site_is_the_admins(client, olga, django_user_model):
     assert client.get("/admin/accounts/apikey/").status_code == 200
 
 
+def test_the_admin_only_shows_what_the_services_own(client, django_user_model):
+    """Even a superuser cannot add, change or delete deployments, nodes or usage there: the
+    services' checks would be skipped. They see them."""
+    from apps.nodes.models import Node
+
+    node = Node.objects.create(name="n1", address="10.0.0.1:1")
+    admin = django_user_model.objects.create_superuser("root", password="root-password-1")
+    client.force_login(admin)
+    for path in ("deployments/deployment", "nodes/node", "usage/usagerecord", "catalog/pulljob"):
+        assert client.get(f"/admin/{path}/").status_code == 200, path
+        assert client.get(f"/admin/{path}/add/").status_code == 403, path
+    page = client.get(f"/admin/nodes/node/{node.pk}/change/")
+    assert page.status_code == 200 and b'name="_save"' not in page.content  # view only
+    gone = client.post(f"/admin/nodes/node/{node.pk}/delete/", {"post": "yes"})
+    assert gone.status_code == 403 and Node.objects.filter(pk=node.pk).exists()
+
+
 async def _ws(path: str, headers: list) -> tuple[bool, int | None]:
     from channels.testing import WebsocketCommunicator
 
