@@ -172,9 +172,23 @@ class Fleet:
     def deployment(self) -> dict:
         return self.api(f"/api/v1/deployments/{DEPLOYMENT}/")
 
-    def healed(self) -> bool:
+    def healed(self, struck: float) -> bool:
+        """Both replicas ready, each confirmed by its agent in a report sent after the fault
+        (a replica whose agent died is still listed ready until the restarted agent
+        reports; that is not healed)."""
         d = self.get(f"/api/v1/deployments/{DEPLOYMENT}/")
-        return bool(d) and sum(r["state"] == "ready" for r in d["replica_set"]) == 2
+        ready = {r["id"] for r in (d or {}).get("replica_set", ()) if r["state"] == "ready"}
+        if len(ready) != 2:
+            return False
+        since = time.monotonic() - struck
+        confirmed = {
+            r["replica_id"]
+            for n in (self.get("/api/v1/nodes/") or {}).get("results", [])
+            if n["heartbeat_age_seconds"] is not None and n["heartbeat_age_seconds"] < since
+            for r in n["reported_replicas"]
+            if r["state"] == "ready"
+        }
+        return ready <= confirmed
 
     def engine_pids(self) -> list[int]:
         return [r["pid"] for n in self.api("/api/v1/nodes/")["results"]
@@ -254,7 +268,7 @@ def strike(f: Fleet, name: str, fault, restore, *, urls: list[str] | None = None
                 time.sleep(0.25)
             while time.monotonic() - struck < 300:
                 try:
-                    if f.healed():
+                    if f.healed(struck):
                         back["healed"] = time.monotonic() - struck
                         return
                 except httpx.HTTPError:
