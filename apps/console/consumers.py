@@ -20,7 +20,6 @@ class DashboardConsumer(AsyncWebsocketConsumer):
             await self.close(code=4403)
             return
         self._sent: dict[str, str] = {}
-        self._version = -1
         self._lock = asyncio.Lock()
         await self.channel_layer.group_add(live.GROUP, self.channel_name)
         live.feed().join()
@@ -47,12 +46,12 @@ class DashboardConsumer(AsyncWebsocketConsumer):
 
     async def _catch_up(self):
         async with self._lock:
-            version, sections = await live.feed().current()
-            if version == self._version:
+            sections = await live.feed().current()
+            if sections is self._sent:  # the Feed keeps its dict until something changes
                 return
             first = not self._sent
             delta = {k: v for k, v in sections.items() if self._sent.get(k) != v}
-            self._sent, self._version = sections, version
+            self._sent = sections
             if first:
                 await self.send(text_data=live.message(sections))
             elif delta:

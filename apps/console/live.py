@@ -30,7 +30,9 @@ WATCHED_APPS = ("nodes", "deployments", "catalog")
 #: A burst of writes within this many seconds is announced once.
 COALESCE_SECONDS = 0.2
 
-_WRITE = re.compile(r'^\s*(?:UPDATE|INSERT\s+INTO|DELETE\s+FROM|TRUNCATE)\s+"?(\w+)"?', re.I)
+_WRITE = re.compile(
+    r'^\s*(?:(?P<truncate>TRUNCATE)|UPDATE|INSERT\s+INTO|DELETE\s+FROM)\s+"?(?P<table>\w+)"?', re.I
+)
 _TABLES = re.compile(r'"(\w+)"')
 _watched: frozenset[str] = frozenset()
 
@@ -55,10 +57,9 @@ def _hook(sender, connection, **kwargs) -> None:
 def _on_write(execute, sql, params, many, context):
     result = execute(sql, params, many, context)
     m = _WRITE.match(sql)
-    if m and (
-        m.group(1) in _watched
-        or (sql.lstrip()[:8].upper() == "TRUNCATE" and _watched.intersection(_TABLES.findall(sql)))
-    ):
+    # TRUNCATE names every table it empties; the others write the one they name first.
+    tables = (_TABLES.findall(sql) if m["truncate"] else [m["table"]]) if m else ()
+    if not _watched.isdisjoint(tables):
         # After the commit (at once in autocommit): readers then see the change.
         transaction.on_commit(announcer.poke, using=context["connection"].alias)
     return result
@@ -72,7 +73,6 @@ class _Announcer:
         self._quiet = threading.Event()
         self._quiet.set()
         self._pid = 0
-        self.sent = 0
 
     def quiet(self) -> bool:
         """Nothing waits to be announced (tests wait for this before they count)."""
@@ -99,7 +99,6 @@ class _Announcer:
             poked.clear()
             try:
                 loop.run_until_complete(layer.group_send(GROUP, {"type": "fleet.changed"}))
-                self.sent += 1
             except Exception as exc:  # Redis away: the next change announces again
                 log.warning("console: could not announce a change (%s)", exc)
             if not poked.is_set():
@@ -114,8 +113,7 @@ class Feed:
     by every console the process serves; kept as JSON per section."""
 
     def __init__(self):
-        self.sections: dict[str, str] = {}
-        self.version = 0
+        self.sections: dict[str, str] = {}  # a new dict whenever something in it changed
         self._stale = True
         self._building: asyncio.Task | None = None
         self._open = 0
@@ -134,12 +132,12 @@ class Feed:
             self._open = 0
             self._stale = True
 
-    async def current(self) -> tuple[int, dict[str, str]]:
+    async def current(self) -> dict[str, str]:
         while self._stale:
             if self._building is None:
                 self._building = asyncio.ensure_future(self._build())
             await asyncio.shield(self._building)
-        return self.version, self.sections
+        return self.sections
 
     async def _build(self) -> None:
         from channels.db import database_sync_to_async
@@ -151,7 +149,7 @@ class Feed:
             snap = await database_sync_to_async(snapshot)()
             sections = {k: json.dumps(v, cls=DjangoJSONEncoder) for k, v in snap.items()}
             if sections != self.sections:
-                self.sections, self.version = sections, self.version + 1
+                self.sections = sections
         except Exception:
             self._stale = True
             raise

@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 #: Seconds between points, and points kept (an hour).
 STEP = 10.0
 KEEP = 360
-#: The Channels group every open dashboard joins.
-GROUP = live.GROUP
 
 
 def _key() -> str:
@@ -119,5 +117,5 @@ def record(now: float | None = None) -> dict:
     pipe.rpush(_key(), json.dumps(p))
     pipe.ltrim(_key(), -KEEP, -1)
     pipe.execute()
-    async_to_sync(get_channel_layer().group_send)(GROUP, {"type": "series.point", "point": p})
+    async_to_sync(get_channel_layer().group_send)(live.GROUP, {"type": "series.point", "point": p})
     return p

@@ -381,6 +381,8 @@ def measure_links(node_names: list[str] | None = None, on_pair=None) -> int:
     """Measure the links between ready nodes (see link_pairs) and store them; the planner
     reads them to choose heads and warn about slow links. on_pair(done, total) follows."""
     pairs = link_pairs(node_names)
+    if on_pair is not None:
+        on_pair(0, len(pairs))
     for i, (src, dst) in enumerate(pairs, 1):
         _measure_pair(src, dst)
         if on_pair is not None:
@@ -412,8 +414,6 @@ def run_link_job(job_id: int):
         LinkJob.objects.filter(pk=job_id).update(pairs_done=done, pairs_total=total)
 
     try:
-        total = len(link_pairs(job.nodes))
-        LinkJob.objects.filter(pk=job_id).update(pairs_total=total)
         measure_links(job.nodes, on_pair=progress)
     except BaseException as exc:  # a soft time limit too: the job must not stay running
         LinkJob.end(job_id, error=f"{type(exc).__name__}: {exc}", phase="failed")

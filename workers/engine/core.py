@@ -113,9 +113,7 @@ class _Sequence:
     cached_tokens: int = 0  # prompt tokens whose KV the slot's cache already held
     pending_text: str = ""  # decoded text held back while it may start a stop string
     new_tokens: list[int] = field(default_factory=list)  # sampled, not yet sent with text
-    new_logprobs: list[Token | Done | Error] = field(
-        default_factory=list
-    )  # theirs, when asked (logprob())
+    new_logprobs: list[tuple] = field(default_factory=list)  # theirs, when asked (logprob())
     grammar: ctypes.c_void_p | None = None  # structured output's grammar sampler, if any
     follows: _Sequence | None = None  # an extra choice waiting for this one's prompt KV
     sampled: list[int] = field(default_factory=list)  # every token sampled here

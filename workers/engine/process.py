@@ -155,15 +155,8 @@ class Outbox:
         rid = event.id
         if isinstance(event, Token):
             held = self.held.get(rid)
-            if held is None:
-                self.held[rid] = Token(
-                    rid,
-                    event.text,
-                    0,
-                    list(event.token_ids),
-                    event.prompt_tokens,
-                    list(event.logprobs),
-                )
+            if held is None:  # the engine hands each piece over: kept as it is, no copy
+                self.held[rid] = event
             else:
                 held.text += event.text
                 held.token_ids.extend(event.token_ids)

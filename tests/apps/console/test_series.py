@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from apps.console import series
+from apps.console import live, series
 from apps.deployments.models import Deployment
 from apps.usage.models import UsageRecord
 from controlplane.redis import sync_client
@@ -70,7 +70,7 @@ def test_points_are_kept_an_hour_and_pushed_to_open_dashboards(chat, clean_serie
 
     layer = get_channel_layer()
     channel = async_to_sync(layer.new_channel)()
-    async_to_sync(layer.group_add)(series.GROUP, channel)
+    async_to_sync(layer.group_add)(live.GROUP, channel)
     try:
         start = time.time()
         for i in range(series.KEEP + 3):
@@ -83,7 +83,7 @@ def test_points_are_kept_an_hour_and_pushed_to_open_dashboards(chat, clean_serie
         assert sent["type"] == "series.point" and sent["point"] == taken
         assert "chat" in taken["deployments"]
     finally:
-        async_to_sync(layer.group_discard)(series.GROUP, channel)
+        async_to_sync(layer.group_discard)(live.GROUP, channel)
 
 
 # ---- applications at a glance ----------------------------------------------------------------

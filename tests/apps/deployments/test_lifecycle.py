@@ -239,6 +239,15 @@ def test_back_off_doubles_into_a_crash_loop_and_never_means_never(db, smollm2_mo
     assert r.state == "failed" and never.state == "failed" and never.restarts == 0
 
 
+def _unreachable_deployment(model, replicas: int):
+    """A node nothing answers on, and a deployment to hold replica rows made by hand."""
+    node = Node.objects.create(name="n", address="127.0.0.1:9")
+    d = Deployment.objects.create(
+        name="d", model=model, replicas=replicas, context_length=256, parallel=1
+    )
+    return node, d
+
+
 def test_a_load_whose_worker_died_fails_with_the_reason_and_one_never_sent_is_resent(
     db, smollm2_model, monkeypatch
 ):
@@ -246,10 +255,7 @@ def test_a_load_whose_worker_died_fails_with_the_reason_and_one_never_sent_is_re
 
     sent = []
     monkeypatch.setattr(tasks.load_replica, "delay", lambda pk: sent.append(pk))
-    node = Node.objects.create(name="n", address="127.0.0.1:9")
-    d = Deployment.objects.create(
-        name="d", model=smollm2_model, replicas=2, context_length=256, parallel=1
-    )
+    node, d = _unreachable_deployment(smollm2_model, replicas=2)
     held = Replica.objects.create(
         deployment=d, node=node, state="loading",
         lease_expires_at=timezone.now() - timedelta(seconds=1),
@@ -274,10 +280,7 @@ def test_a_free_that_did_not_finish_within_its_lease_is_sent_again(db, smollm2_m
 
     freed = []
     monkeypatch.setattr(tasks.free_replica, "delay", lambda pk: freed.append(pk))
-    node = Node.objects.create(name="n", address="127.0.0.1:9")
-    d = Deployment.objects.create(
-        name="d", model=smollm2_model, replicas=1, context_length=256, parallel=1
-    )
+    node, d = _unreachable_deployment(smollm2_model, replicas=1)
     lost = Replica.objects.create(
         deployment=d, node=node, state="stopping",
         lease_expires_at=timezone.now() - timedelta(seconds=1),
