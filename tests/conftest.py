@@ -373,6 +373,18 @@ def celery_worker_thread(transactional_db):
         yield worker
 
 
+@pytest.fixture
+def clock():
+    """The clock the code under test reads (timezone.now(), time.time()): it runs on, and
+    `clock.shift(seconds)` moves it ahead, so leases, grace periods and back-offs run out
+    without the test sleeping or editing timestamps by hand. time.monotonic() is left alone,
+    so wait_for and socket timeouts keep real time."""
+    import time_machine
+
+    with time_machine.travel(time.time(), tick=True) as traveller:
+        yield traveller
+
+
 def wait_for(predicate, timeout=60.0, interval=0.1):
     """Poll until predicate() is truthy; returns its value or fails with the last one."""
     import time

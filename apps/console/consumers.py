@@ -37,7 +37,7 @@ class DashboardConsumer(AsyncWebsocketConsumer):
 
     async def fleet_changed(self, event):
         """Something the dashboard shows changed (announced by live.py)."""
-        live.feed().changed()
+        live.feed().changed(event["id"])
         await self._catch_up()
 
     async def series_point(self, event):

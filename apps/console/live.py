@@ -11,11 +11,13 @@ each console gets only the sections that changed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
 import re
 import threading
+import uuid
 import weakref
 
 from django.core.serializers.json import DjangoJSONEncoder
@@ -98,7 +100,9 @@ class _Announcer:
             loop.run_until_complete(asyncio.sleep(COALESCE_SECONDS))
             poked.clear()
             try:
-                loop.run_until_complete(layer.group_send(GROUP, {"type": "fleet.changed"}))
+                # Every console of a process gets the message; its id lets the Feed count it once.
+                change = {"type": "fleet.changed", "id": uuid.uuid4().hex}
+                loop.run_until_complete(layer.group_send(GROUP, change))
             except Exception as exc:  # Redis away: the next change announces again
                 log.warning("console: could not announce a change (%s)", exc)
             if not poked.is_set():
@@ -117,8 +121,14 @@ class Feed:
         self._stale = True
         self._building: asyncio.Task | None = None
         self._open = 0
+        self._seen: collections.deque[str] = collections.deque(maxlen=64)
 
-    def changed(self) -> None:
+    def changed(self, change_id: str) -> None:
+        """An announced change, delivered once to each console here: the first marks the
+        snapshot stale, the others (perhaps after it was rebuilt) change nothing."""
+        if change_id in self._seen:
+            return
+        self._seen.append(change_id)
         self._stale = True
 
     def join(self) -> None:

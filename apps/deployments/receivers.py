@@ -8,7 +8,8 @@ from apps.nodes.signals import node_lost, node_reported
 
 @receiver(node_reported)
 def _on_node_reported(sender, node, reported, restarted=False, **kwargs):
-    services.apply_agent_report(node, reported, restarted=restarted)
+    # By id: the reaction reads the node as it is now, not as this heartbeat's transaction saw it.
+    services.react_to_report(node.pk, node.boot_id, reported, restarted=restarted)
 
 
 @receiver(node_lost)

@@ -55,17 +55,15 @@ class GenerationConsumer(AsyncJsonWebsocketConsumer):
     async def receive(self, text_data=None, bytes_data=None, **kwargs):
         """Every frame gets an answer, and the socket stays open whatever a frame holds."""
         if text_data is None:
-            await self._error(
-                "", ServingError(400, "send JSON text frames, not binary", param="body")
-            )
+            await self._error("", ServingError.invalid("send JSON text frames, not binary", "body"))
             return
         if len(text_data) > settings.DATA_UPLOAD_MAX_MEMORY_SIZE:
-            await self._error("", ServingError(400, "the frame is too large", param="body"))
+            await self._error("", ServingError.invalid("the frame is too large", "body"))
             return
         try:
             content = strictjson.loads(text_data)
         except strictjson.JSONError as exc:
-            await self._error("", ServingError(400, f"the frame is {exc}", param="body"))
+            await self._error("", ServingError.invalid(f"the frame is {exc}", "body"))
             return
         try:
             await self._receive(content)
@@ -80,16 +78,13 @@ class GenerationConsumer(AsyncJsonWebsocketConsumer):
                 task.cancel()
             return
         if kind != "generate":
-            raise ServingError(400, "type must be 'generate' or 'cancel'", param="type")
+            raise ServingError.invalid("type must be 'generate' or 'cancel'", "type")
         message = schemas.parse(schemas.GenerateMessage, content)
         if message.id in self.running:
-            raise ServingError(400, "each generation needs a new id", param="id")
+            raise ServingError.invalid("each generation needs a new id", "id")
         if len(self.running) >= MAX_CONCURRENT:
-            raise ServingError(
-                429,
-                f"at most {MAX_CONCURRENT} generations per socket",
-                "rate_limit_error",
-                "too_many_generations",
+            raise ServingError.busy(
+                f"at most {MAX_CONCURRENT} generations per socket", "too_many_generations"
             )
         params = message.generation()
         self.running[message.id] = asyncio.create_task(self._run(message.id, params))
@@ -116,7 +111,7 @@ class GenerationConsumer(AsyncJsonWebsocketConsumer):
                 pass
         except Exception:
             log.exception("generation %s failed", gid)
-            await self._error(gid, ServingError(500, "internal error", "server_error"))
+            await self._error(gid, ServingError.internal())
         finally:
             self.running.pop(gid, None)
 

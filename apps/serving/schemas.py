@@ -320,11 +320,11 @@ class GenerateMessage(ChatCompletionRequest):
 
     def generation(self) -> GenerationParams:
         if (self.messages is None) == (self.prompt is None):
-            raise ServingError(400, "give either 'messages' or 'prompt'", param="messages")
+            raise ServingError.invalid("give either 'messages' or 'prompt'", "messages")
         if self.tools:
-            raise ServingError(400, "tools are served on /v1/chat/completions", param="tools")
+            raise ServingError.invalid("tools are served on /v1/chat/completions", "tools")
         if (self.n or 1) > 1:
-            raise ServingError(400, "n > 1 is served on /v1 (one stream per socket id)", param="n")
+            raise ServingError.invalid("n > 1 is served on /v1 (one stream per socket id)", "n")
         if self.prompt is not None:
             return self.params(prompt=self.prompt, logprobs=self.logprobs_k)
         return super().generation()
@@ -359,9 +359,9 @@ def bad_request(exc: ValidationError) -> ServingError:
     err = exc.errors(include_url=False, include_input=False)[0]
     param = _param(err["loc"])
     if err["type"] == "extra_forbidden":
-        return ServingError(400, f"Unrecognized request argument supplied: {param}", param=param)
+        return ServingError.invalid(f"Unrecognized request argument supplied: {param}", param)
     if err["type"] == "missing":
-        return ServingError(400, f"'{param}' is required", param=param)
+        return ServingError.invalid(f"'{param}' is required", param)
     message = err["msg"]
     names = [part.split("[")[0] for part in param.split(".")]
     unsupported = next((_UNSUPPORTED[n] for n in names if n in _UNSUPPORTED), None)
@@ -369,7 +369,7 @@ def bad_request(exc: ValidationError) -> ServingError:
         message = f"{unsupported} ({message})"
     elif names[-1] == "content":
         message = f"content must be a string or a list of text parts ({message})"
-    return ServingError(400, f"'{param}': {message}", param=param)
+    return ServingError.invalid(f"'{param}': {message}", param)
 
 
 _UNSUPPORTED = {
@@ -387,7 +387,7 @@ _UNSUPPORTED = {
 def parse(model: type[BaseModel], body):
     """Validate a parsed JSON body against a request model; ServingError 400 otherwise."""
     if not isinstance(body, dict):
-        raise ServingError(400, "the body must be a JSON object", param="body")
+        raise ServingError.invalid("the body must be a JSON object", "body")
     try:
         return model.model_validate(body)
     except ValidationError as exc:

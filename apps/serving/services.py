@@ -75,6 +75,32 @@ class ServingError(Exception):
         )
         self.retry_after = retry_after
 
+    # The errors callers meet most, by name (the status and OpenAI type follow from it).
+    @classmethod
+    def invalid(cls, message: str, param: str | None = None, code: str | None = None):
+        """400: the request itself is wrong; `param` names the field."""
+        return cls(400, message, code=code, param=param)
+
+    @classmethod
+    def replica_failed(cls, message: str):
+        """503: the replica serving the request failed (another may take it)."""
+        return cls(503, message, "server_error", "replica_failed")
+
+    @classmethod
+    def no_replica(cls, message: str, retry_after: int | None = None):
+        """503: nothing ready serves the model (yet)."""
+        return cls(503, message, "server_error", "no_replica", retry_after=retry_after)
+
+    @classmethod
+    def busy(cls, message: str, code: str, retry_after: int | None = None):
+        """429: a limit is reached; retry later."""
+        return cls(429, message, "rate_limit_error", code, retry_after=retry_after)
+
+    @classmethod
+    def internal(cls):
+        """500: a bug of ours; the details are logged, never sent."""
+        return cls(500, "internal error", "server_error")
+
     def body(self) -> dict:
         return {
             "error": {
@@ -221,13 +247,13 @@ async def served_models() -> list[dict]:
 def _error_from_rpc(exc: grpc.aio.AioRpcError) -> ServingError:
     code = agent_client.error_code(exc)
     if code == errors.CONTEXT_LENGTH_EXCEEDED:
-        return ServingError(400, exc.details(), code="context_length_exceeded", param="messages")
+        return ServingError.invalid(exc.details(), "messages", "context_length_exceeded")
     if code == errors.INVALID_SCHEMA:
-        return ServingError(400, exc.details(), code="invalid_schema", param="response_format")
+        return ServingError.invalid(exc.details(), "response_format", "invalid_schema")
     if code == errors.INVALID_ARGUMENT:
-        return ServingError(400, exc.details())
+        return ServingError.invalid(exc.details())
     if code == errors.OVERLOADED:
-        return ServingError(429, exc.details(), "rate_limit_error", "overloaded", retry_after=1)
+        return ServingError.busy(exc.details(), "overloaded", retry_after=1)
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ServingError(
             504,
@@ -235,12 +261,7 @@ def _error_from_rpc(exc: grpc.aio.AioRpcError) -> ServingError:
             "server_error",
             "timeout",
         )
-    return ServingError(
-        503,
-        f"the replica failed: {errors.describe(exc)}",
-        "server_error",
-        "replica_failed",
-    )
+    return ServingError.replica_failed(f"the replica failed: {errors.describe(exc)}")
 
 
 def _replica_lost(exc: grpc.aio.AioRpcError) -> bool:
@@ -279,39 +300,27 @@ class Generation:
 
     async def _open(self, targets: list[Target], resume: pb.Continuation | None) -> None:
         """Start the stream on the first of `targets` that answers; raises ServingError."""
-        last: ServingError | None = None
-        for target in targets[:MAX_ATTEMPTS]:
+        request = self.params.to_request
+
+        async def start(target: Target):
             self._tried.add(target.replica_id)
-            key = f"{self.id}:{len(self._tried)}"
-            balancer.acquire(target.replica_id, key)
-            try:
-                call = agent_client.aio_stub(target.address).RunInference(
-                    self.params.to_request(target.replica_id, self.id, resume),
-                    metadata=agent_client.metadata(),
-                    timeout=max(self.deadline - time.monotonic(), 0.001),
-                )
-                first = await call.read()
-            except grpc.aio.AioRpcError as exc:
-                balancer.release(target.replica_id, key)
-                last = _error_from_rpc(exc)
-                if _replica_lost(exc) or last.code == "overloaded":
-                    if _replica_lost(exc):
-                        routing_table.invalidate()
-                    metrics.RETRIES.labels(self.params.model).inc()
-                    continue
-                raise last from None
+            call = agent_client.aio_stub(target.address).RunInference(
+                request(target.replica_id, self.id, resume),
+                metadata=agent_client.metadata(),
+                timeout=max(self.deadline - time.monotonic(), 0.001),
+            )
+            first = await call.read()
             if first is grpc.aio.EOF:
-                balancer.release(target.replica_id, key)
-                last = ServingError(
-                    503, "the replica closed the stream", "server_error", "replica_failed"
-                )
-                continue
-            self.target, self._call, self._first, self._key = target, call, first, key
-            self.served.append(target)
-            if target.policy == balancer.PREFIX:
-                balancer.remember(target.deployment, self.hashes, target.replica_id)
-            return
-        raise last or ServingError(503, "no replica could serve the request", "server_error")
+                raise ServingError.replica_failed("the replica closed the stream")
+            return call, first
+
+        target, key, (call, first) = await _first_that_answers(
+            self.params.model, targets, start, self.id
+        )
+        self.target, self._call, self._first, self._key = target, call, first, key
+        self.served.append(target)
+        if target.policy == balancer.PREFIX:
+            balancer.remember(target.deployment, self.hashes, target.replica_id)
 
     def _close(self, cancel: bool) -> None:
         if self._call is not None:
@@ -327,11 +336,8 @@ class Generation:
         routing_table.invalidate()  # a replica failed: read the table afresh
         targets = await ready_targets(self.params.model, exclude=self._tried)
         if not targets:
-            raise ServingError(
-                503,
-                f"{cause.message}; no other replica could continue the stream",
-                "server_error",
-                "replica_failed",
+            raise ServingError.replica_failed(
+                f"{cause.message}; no other replica could continue the stream"
             )
         resume = pb.Continuation(token_ids=self.token_ids, delivered_bytes=self._delivered)
         log.info(
@@ -372,12 +378,7 @@ class Generation:
                 try:
                     msg = await self._call.read()
                     if msg is grpc.aio.EOF:
-                        raise ServingError(
-                            503,
-                            "the replica ended the stream early",
-                            "server_error",
-                            "replica_failed",
-                        )
+                        raise ServingError.replica_failed("the replica ended the stream early")
                 except grpc.aio.AioRpcError as exc:
                     self._close(cancel=False)
                     err = _error_from_rpc(exc)
@@ -416,11 +417,9 @@ class _Slot:
     def __init__(self):
         global _in_flight
         if _in_flight >= settings.MAX_IN_FLIGHT:
-            raise ServingError(
-                429,
+            raise ServingError.busy(
                 f"the server is streaming its limit of {settings.MAX_IN_FLIGHT} generations; "
                 "retry shortly",
-                "rate_limit_error",
                 "server_busy",
                 retry_after=1,
             )
@@ -447,21 +446,13 @@ async def _targets_or_error(model: str, hashes: list[str] = ()) -> list[Target]:
                 model, lambda: ready_targets(model, hashes=hashes)
             )
         except cold_start.ColdStartError as exc:
-            raise ServingError(
-                503, exc.message, "server_error", "no_replica", retry_after=exc.retry_after
-            ) from None
+            raise ServingError.no_replica(exc.message, exc.retry_after) from None
     elif not targets:
         raise ServingError(
             404, f"The model '{model}' does not exist", code="model_not_found", param="model"
         )
     if not targets:
-        raise ServingError(
-            503,
-            f"no ready replica serves '{model}'; deploy it first",
-            "server_error",
-            "no_replica",
-            retry_after=5,
-        )
+        raise ServingError.no_replica(f"no ready replica serves '{model}'; deploy it first", 5)
     return targets
 
 
@@ -520,35 +511,60 @@ async def embed(
 
 
 async def _embed(model: str, texts: list[str]) -> tuple[list[list[float]], int, Target]:
-    targets = await _targets_or_error(model)
+    async def ask(target: Target):
+        return await agent_client.aio_stub(target.address).Embed(
+            pb.EmbedRequest(replica_id=target.replica_id, input=texts),
+            metadata=agent_client.metadata(),
+            timeout=settings.REQUEST_TIMEOUT_SECONDS,
+        )
+
+    try:
+        target, key, reply = await _first_that_answers(
+            model, await _targets_or_error(model), ask, "embed"
+        )
+    except ServingError as err:
+        if err.param == "messages":  # the agent's word for what embeddings call input
+            err.param = "input"
+        raise
+    balancer.release(target.replica_id, key)
+    return [list(e.values) for e in reply.data], reply.prompt_tokens, target
+
+
+async def _first_that_answers(model: str, targets: list[Target], attempt, key: str):
+    """The one retry loop of generation and embeddings: `attempt(target)` on each target in
+    turn (at most MAX_ATTEMPTS) until one answers. A replica that is gone, overloaded or
+    that closed at once passes the request on; any other error is the request's own and is
+    raised. Returns (target, balancer key, answer): the caller releases the key when done.
+    """
     last: ServingError | None = None
-    for target in targets[:MAX_ATTEMPTS]:
-        key = f"embed:{uuid.uuid4().hex}"
-        balancer.acquire(target.replica_id, key)
+    for n, target in enumerate(targets[:MAX_ATTEMPTS], 1):
+        slot = f"{key}:{n}:{uuid.uuid4().hex[:8]}"
+        balancer.acquire(target.replica_id, slot)
         try:
-            reply = await agent_client.aio_stub(target.address).Embed(
-                pb.EmbedRequest(replica_id=target.replica_id, input=texts),
-                metadata=agent_client.metadata(),
-                timeout=settings.REQUEST_TIMEOUT_SECONDS,
-            )
+            return target, slot, await attempt(target)
         except grpc.aio.AioRpcError as exc:
+            balancer.release(target.replica_id, slot)
             last = _error_from_rpc(exc)
-            if last.param == "messages":
-                last.param = "input"
-            if _replica_lost(exc):
-                metrics.RETRIES.labels(model).inc()
-                continue
-            raise last from None
-        finally:
-            balancer.release(target.replica_id, key)
-        return [list(e.values) for e in reply.data], reply.prompt_tokens, target
-    raise last or ServingError(503, "no replica could serve the request", "server_error")
+            lost = _replica_lost(exc)
+            if not (lost or last.code == "overloaded"):
+                raise last from None
+            if lost:
+                routing_table.invalidate()
+            metrics.RETRIES.labels(model).inc()
+        except ServingError as exc:
+            balancer.release(target.replica_id, slot)
+            last = exc
+        except BaseException:
+            balancer.release(target.replica_id, slot)
+            raise
+    raise last or ServingError.replica_failed("no replica could serve the request")
 
 
 async def check_quota_or_429(caller: Caller | None, request_id: str, reserve: int = 0) -> int:
     try:
         return await check_quota(caller, request_id, reserve)
     except QuotaExceeded as exc:
+        # The quota's own type: insufficient_quota or rate_limit_error, as OpenAI answers.
         raise ServingError(
             429, exc.message, exc.type, exc.code, retry_after=exc.retry_after
         ) from None

@@ -73,7 +73,7 @@ def _parse_json(request: HttpRequest):
     try:
         return strictjson.loads(request.body or b"null")
     except strictjson.JSONError as exc:
-        raise ServingError(400, f"the body is {exc}", param="body") from None
+        raise ServingError.invalid(f"the body is {exc}", "body") from None
     except RequestDataTooBig:
         raise ServingError(413, "the request body is too large", param="body") from None
 
@@ -94,7 +94,7 @@ def _guarded(view):
             return error_response(err)
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
-            return error_response(ServingError(500, "internal error", "server_error"))
+            return error_response(ServingError.internal())
 
     return wrapper
 

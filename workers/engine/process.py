@@ -222,6 +222,31 @@ def child_main(conn, config: EngineConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _quiet_llama_logs()
+    loaded = _load(conn, config)
+    if loaded is None:
+        return
+    engine, formatter = loaded
+    out = Outbox(conn, config.stream_interval)
+    running = True
+    while running:
+        # Block while idle; between decode steps only look at what is already there.
+        timeout = None if engine.idle() else 0
+        while conn.poll(timeout):
+            running = _handle(conn.recv(), engine, formatter, conn, out)
+            if not running:
+                break
+            timeout = 0
+        out.tick()  # errors and cancellations of the messages just read
+        if running and not engine.idle():
+            for event in engine.step():
+                out.send(event)
+            out.tick()
+    engine.close()
+
+
+def _load(conn, config: EngineConfig):
+    """The engine and its chat formatter, after telling the agent Ready; None (after a
+    LoadError) when the model does not load."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     from workers.engine.core import BatchEngine
@@ -242,10 +267,10 @@ def child_main(conn, config: EngineConfig) -> None:
         )
     except EngineError as exc:
         conn.send(LoadError(exc.code, exc.message))
-        return
+        return None
     except Exception as exc:
         conn.send(LoadError(errors.ENGINE_FAILED, f"{type(exc).__name__}: {exc}"))
-        return
+        return None
     template = engine.meta("tokenizer.chat_template") or config.chat_template
     formatter = None
     if template:
@@ -262,48 +287,38 @@ def child_main(conn, config: EngineConfig) -> None:
             }
         )
     )
+    return engine, formatter
 
-    out = Outbox(conn, config.stream_interval)
-    running = True
-    while running:
-        # Block while idle; between decode steps only look at what is already there.
-        timeout = None if engine.idle() else 0
-        while conn.poll(timeout):
-            msg = conn.recv()
-            match msg:
-                case Generate(id=rid, payload=payload):
-                    try:
-                        engine.submit(_request(engine, formatter, rid, payload))
-                    except EngineError as exc:
-                        out.send(Error(rid, exc.code, exc.message))
-                case Cancel(id=rid):
-                    for event in engine.cancel(rid):
-                        out.send(event)
-                case Tokenize(id=cid, payload=payload):
-                    try:
-                        if payload.get("messages"):
-                            tokens = _build_prompt(engine, formatter, payload)
-                        else:
-                            tokens = engine.tokenize(payload.get("text", ""), True, True)
-                        conn.send(Tokens(cid, tokens, engine.context_length))
-                    except EngineError as exc:
-                        conn.send(Error(cid, exc.code, exc.message))
-                case Embed(id=cid, texts=texts):
-                    try:
-                        vectors, n_tokens = engine.embed(texts)
-                        conn.send(Embeddings(cid, vectors, n_tokens))
-                    except EngineError as exc:
-                        conn.send(Error(cid, exc.code, exc.message))
-                case Shutdown():
-                    running = False
-                    break
-            timeout = 0
-        out.tick()  # errors and cancellations of the messages just read
-        if running and not engine.idle():
-            for event in engine.step():
+
+def _handle(msg, engine, formatter, conn, out: Outbox) -> bool:
+    """One message from the agent; False once told to shut down."""
+    match msg:
+        case Generate(id=rid, payload=payload):
+            try:
+                engine.submit(_request(engine, formatter, rid, payload))
+            except EngineError as exc:
+                out.send(Error(rid, exc.code, exc.message))
+        case Cancel(id=rid):
+            for event in engine.cancel(rid):
                 out.send(event)
-            out.tick()
-    engine.close()
+        case Tokenize(id=cid, payload=payload):
+            try:
+                if payload.get("messages"):
+                    tokens = _build_prompt(engine, formatter, payload)
+                else:
+                    tokens = engine.tokenize(payload.get("text", ""), True, True)
+                conn.send(Tokens(cid, tokens, engine.context_length))
+            except EngineError as exc:
+                conn.send(Error(cid, exc.code, exc.message))
+        case Embed(id=cid, texts=texts):
+            try:
+                vectors, n_tokens = engine.embed(texts)
+                conn.send(Embeddings(cid, vectors, n_tokens))
+            except EngineError as exc:
+                conn.send(Error(cid, exc.code, exc.message))
+        case Shutdown():
+            return False
+    return True
 
 
 # ---- agent side ----------------------------------------------------------------------

@@ -30,6 +30,7 @@ from apps.deployments.services.reports import (
     apply_agent_report,
     mark_unreachable,
     node_lost,
+    react_to_report,
 )
 from apps.deployments.services.splits import (
     RPC_PORT_TRIES,
@@ -60,6 +61,7 @@ __all__ = [
     "mark_unreachable",
     "node_lost",
     "probe",
+    "react_to_report",
     "reconcile",
     "record_event",
     "refresh_state",

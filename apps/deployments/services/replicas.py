@@ -28,8 +28,6 @@ S = Replica.State
 def load(replica_id: str) -> None:
     """Ask the replica's node to load it (with its rpc stages first, for a split); record
     the outcome. A split that fails anywhere is rolled back whole."""
-    from llamafleet.agent.v1 import agent_pb2 as pb
-
     from apps.deployments.tasks import free_replica
 
     claimed = Replica.objects.filter(pk=replica_id, state=S.PENDING).update(
@@ -39,51 +37,19 @@ def load(replica_id: str) -> None:
     if not claimed:
         return  # another worker got there first, or it was stopped meanwhile
     r = Replica.objects.select_related("deployment__model", "node", "plan").get(pk=replica_id)
-    d, model, node = r.deployment, r.deployment.model, r.node
+    d, node = r.deployment, r.node
     split = r.plan is not None and r.plan.kind == ShardPlan.Kind.SPLIT
-    record_event(d, f"loading {model.name} on {node.name}", replica=r)
+    record_event(d, f"loading {d.model.name} on {node.name}", replica=r)
     refresh_state(d)
-    request = pb.LoadModelRequest(
-        replica_id=str(r.pk),
-        model_name=model.name,
-        sha256=model.sha256,
-        size_bytes=model.size_bytes,
-        files=agent_files(model),
-        context_length=d.context_length,
-        parallel=d.parallel,
-        chat_template=model.chat_template,
-        batch_invariant=d.batching == Deployment.Batching.INVARIANT,
-    )
-    if r.plan is not None and not split:
-        # Layers the planner put on this node's accelerators (0: none reported).
-        mine = r.plan.stages.filter(node=node).first()
-        request.n_gpu_layers = mine.n_gpu_layers if mine else 0
+    request = _load_request(r)
     if split:
         try:
-            endpoints = start_stages(r)
+            _with_stages(r, request)
         except StageError as exc:
             stop_stages(r)
             fail_replica(r, f"split not started, rolled back: {exc}")
             return
-        request.rpc_servers.extend(endpoints)
-        request.n_gpu_layers = r.plan.n_gpu_layers
-        request.split_mode = (
-            pb.SPLIT_MODE_TENSOR if r.plan.split_mode == "tensor" else pb.SPLIT_MODE_LAYER
-        )
-        request.tensor_split.extend(r.plan.tensor_split)
-    try:
-        resp = agent_client.stub(node.address).LoadModel(
-            request, metadata=agent_client.metadata(), timeout=agent_client.LOAD_TIMEOUT
-        )
-        error = (
-            ""
-            if resp.state == pb.REPLICA_STATE_READY
-            else (
-                f"loading on {node.name} failed: {resp.error or pb.ReplicaState.Name(resp.state)}"
-            )
-        )
-    except grpc.RpcError as exc:
-        error = f"node {node.name} ({node.address}) did not load it: {errors.describe(exc)}"
+    resp, error = _ask_to_load(node, request)
     if not error and split:
         error = probe(r)
     if error:
@@ -113,6 +79,59 @@ def load(replica_id: str) -> None:
         replica=r,
     )
     refresh_state(Deployment.objects.get(pk=d.pk))
+
+
+def _load_request(r: Replica):
+    """The LoadModel request of a replica as its deployment and plan describe it."""
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    d, model = r.deployment, r.deployment.model
+    request = pb.LoadModelRequest(
+        replica_id=str(r.pk),
+        model_name=model.name,
+        sha256=model.sha256,
+        size_bytes=model.size_bytes,
+        files=agent_files(model),
+        context_length=d.context_length,
+        parallel=d.parallel,
+        chat_template=model.chat_template,
+        batch_invariant=d.batching == Deployment.Batching.INVARIANT,
+    )
+    if r.plan is not None and r.plan.kind != ShardPlan.Kind.SPLIT:
+        # Layers the planner put on this node's accelerators (0: none reported).
+        mine = r.plan.stages.filter(node=r.node).first()
+        request.n_gpu_layers = mine.n_gpu_layers if mine else 0
+    return request
+
+
+def _with_stages(r: Replica, request) -> None:
+    """Start a split's rpc stages and point the head's request at them; raises StageError."""
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    request.rpc_servers.extend(start_stages(r))
+    request.n_gpu_layers = r.plan.n_gpu_layers
+    request.split_mode = (
+        pb.SPLIT_MODE_TENSOR if r.plan.split_mode == "tensor" else pb.SPLIT_MODE_LAYER
+    )
+    request.tensor_split.extend(r.plan.tensor_split)
+
+
+def _ask_to_load(node, request):
+    """LoadModel on the node: (its answer, "") or (None, why it did not load)."""
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    try:
+        resp = agent_client.stub(node.address).LoadModel(
+            request, metadata=agent_client.metadata(), timeout=agent_client.LOAD_TIMEOUT
+        )
+    except grpc.RpcError as exc:
+        return None, f"node {node.name} ({node.address}) did not load it: {errors.describe(exc)}"
+    if resp.state != pb.REPLICA_STATE_READY:
+        return (
+            resp,
+            f"loading on {node.name} failed: {resp.error or pb.ReplicaState.Name(resp.state)}",
+        )
+    return resp, ""
 
 
 def free(replica_id: str) -> None:

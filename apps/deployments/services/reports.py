@@ -23,6 +23,18 @@ Reported = Node.ReportedState
 REPORT_GRACE_SECONDS = 10
 
 
+def react_to_report(
+    node_id: int, boot_id: str, reported: list[dict], restarted: bool = False
+) -> None:
+    """A recorded heartbeat's reaction, run after its commit and outside the node's lock. The
+    node is read afresh; a report from a boot that has since been replaced stands down (the
+    new boot's first report reacts for it, and would be undone by this one)."""
+    node = Node.objects.filter(pk=node_id).first()
+    if node is None or (boot_id and node.boot_id and node.boot_id != boot_id):
+        return  # removed, or restarted again since this report
+    apply_agent_report(node, reported, restarted=restarted)
+
+
 def apply_agent_report(node: Node, reported: list[dict], restarted: bool = False) -> None:
     """Compare what an agent holds with what we think it holds. After a restart (a new boot)
     nothing of the previous boot survives: its loading and unreachable replicas fail at once

@@ -285,7 +285,10 @@ def test_at_zero_overflow_and_a_timeout_get_503_with_retry_after(
 
         first = threading.Thread(target=call)
         first.start()
-        time.sleep(1.0)  # the first one waits...
+        # The first one waits (counted in Redis, as every web process counts)...
+        from controlplane.redis import sync_client
+
+        wait_for(lambda: sync_client().zcard(autoscaling.waiting_key(SMOLLM2)) == 1, 10)
         call()  # ...so the second is one too many
         first.join(30)
     finally:

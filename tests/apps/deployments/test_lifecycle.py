@@ -185,7 +185,7 @@ def test_a_crashed_engine_is_replaced_after_its_back_off(
     assert "restart 1: replacing 1 failed replica(s)" in messages
 
 
-def test_back_off_doubles_into_a_crash_loop_and_never_means_never(db, smollm2_model):
+def test_back_off_doubles_into_a_crash_loop_and_never_means_never(db, smollm2_model, clock):
     node = Node.objects.create(name="n", address="127.0.0.1:9")
     d = Deployment.objects.create(
         name="d", model=smollm2_model, replicas=1, context_length=256, parallel=1
@@ -205,10 +205,12 @@ def test_back_off_doubles_into_a_crash_loop_and_never_means_never(db, smollm2_mo
         # A second failure while the restart is pending joins it.
         fail_one(d)
         assert d.restarts == restart
-        # The back-off is over: the next reconcile retires the failed replicas.
-        Deployment.objects.filter(pk=d.pk).update(
-            next_restart_at=timezone.now() - timedelta(seconds=1)
-        )
+        # Not before the back-off is over...
+        services.reconcile(d.pk)
+        r.refresh_from_db()
+        assert r.state == "failed"
+        # ...then the next reconcile retires the failed replicas.
+        clock.shift(10 * 2 ** (restart - 1) + 1)
         services.reconcile(d.pk)
         r.refresh_from_db()
         assert r.state == "stopped"
@@ -220,10 +222,14 @@ def test_back_off_doubles_into_a_crash_loop_and_never_means_never(db, smollm2_mo
         "restart 3 in 40 s",
         "restart 4 in 80 s",
     ]
-    # Ten quiet minutes of running reset the count.
-    Deployment.objects.filter(pk=d.pk).update(
-        state="ready", last_failure_at=timezone.now() - timedelta(minutes=11)
-    )
+    # Ten quiet minutes of running reset the count (81 s have passed since the last failure).
+    Deployment.objects.filter(pk=d.pk).update(state="ready")
+    clock.shift(8 * 60)
+    services.reconcile(d.pk)
+    d.refresh_from_db()
+    assert d.restarts == 4  # not yet
+    Deployment.objects.filter(pk=d.pk).update(state="ready")  # (it found no capacity)
+    clock.shift(60)
     services.reconcile(d.pk)
     d.refresh_from_db()
     assert d.restarts == 0
@@ -249,7 +255,7 @@ def _unreachable_deployment(model, replicas: int):
 
 
 def test_a_load_whose_worker_died_fails_with_the_reason_and_one_never_sent_is_resent(
-    db, smollm2_model, monkeypatch
+    db, smollm2_model, monkeypatch, clock
 ):
     from apps.deployments import tasks
 
@@ -258,14 +264,15 @@ def test_a_load_whose_worker_died_fails_with_the_reason_and_one_never_sent_is_re
     node, d = _unreachable_deployment(smollm2_model, replicas=2)
     held = Replica.objects.create(
         deployment=d, node=node, state="loading",
-        lease_expires_at=timezone.now() - timedelta(seconds=1),
+        lease_expires_at=timezone.now() + timedelta(minutes=1),
     )  # fmt: skip
+    waiting = Replica.objects.create(deployment=d, node=node, state="pending")
+    assert services.expire_leases() == {"lost": 0, "resent": 0, "refreed": 0}  # all in time
+    clock.shift(5 * 60)  # the held lease ran out, and the pending one was never sent
     fresh = Replica.objects.create(
         deployment=d, node=node, state="loading",
         lease_expires_at=timezone.now() + timedelta(minutes=10),
     )  # fmt: skip
-    waiting = Replica.objects.create(deployment=d, node=node, state="pending")
-    Replica.objects.filter(pk=waiting.pk).update(created_at=timezone.now() - timedelta(minutes=5))
     assert services.expire_leases() == {"lost": 1, "resent": 1, "refreed": 0}
     held.refresh_from_db()
     fresh.refresh_from_db()

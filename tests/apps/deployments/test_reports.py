@@ -3,10 +3,7 @@ arrive late, so a ready replica missing from one report is not yet gone."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
-from django.utils import timezone
 
 from apps.deployments import services
 from apps.deployments.models import Deployment, Replica
@@ -49,12 +46,13 @@ def test_a_replica_missing_from_one_late_report_stays_ready(ready_replica):
     assert r.state == "ready" and r.missing_since is None
 
 
-def test_a_replica_missing_for_the_grace_period_fails(ready_replica):
+def test_a_replica_missing_for_the_grace_period_fails(ready_replica, clock):
     rid = str(ready_replica.pk)
     record_heartbeat(report([]))
-    Replica.objects.filter(pk=rid).update(
-        missing_since=timezone.now() - timedelta(seconds=services.REPORT_GRACE_SECONDS + 1)
-    )
+    clock.shift(services.REPORT_GRACE_SECONDS - 1)
+    record_heartbeat(report([]))
+    assert Replica.objects.get(pk=rid).state == "ready"  # not yet
+    clock.shift(2)
     record_heartbeat(report([]))
     r = Replica.objects.get(pk=rid)
     assert r.state == "failed" and "no longer holds" in r.error
@@ -63,4 +61,17 @@ def test_a_replica_missing_for_the_grace_period_fails(ready_replica):
 def test_a_restart_fails_it_at_once(ready_replica):
     rid = str(ready_replica.pk)
     record_heartbeat(report([]) | {"boot_id": "boot-2"})
+    assert Replica.objects.get(pk=rid).state == "failed"
+
+
+def test_a_late_reaction_from_a_replaced_boot_stands_down(ready_replica, clock):
+    """Reactions take the node's id and read it afresh: one from boot-1 that runs after boot-2
+    registered must not judge boot-2's replicas by boot-1's snapshot."""
+    rid = str(ready_replica.pk)
+    record_heartbeat(report([rid]) | {"boot_id": "boot-2"})  # boot-2 holds it
+    record_heartbeat(report([]) | {"boot_id": "boot-2"})  # a late snapshot: missing since now
+    clock.shift(services.REPORT_GRACE_SECONDS + 1)
+    services.react_to_report(ready_replica.node_id, "boot-1", [])  # late, from the old boot
+    assert Replica.objects.get(pk=rid).state == "ready"
+    services.react_to_report(ready_replica.node_id, "boot-2", [])  # the same from boot-2 counts
     assert Replica.objects.get(pk=rid).state == "failed"
