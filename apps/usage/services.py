@@ -15,6 +15,7 @@ import logging
 import math
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -142,16 +143,78 @@ def record(u: Usage) -> UsageRecord:
 
 def settle_interrupted(older_than: float | None = None) -> int:
     """Complete records left RUNNING longer than any stream may last (their web process
-    died): outcome error, code "interrupted", ended now. Their tokens are not known here
-    (the tokens a dead process streamed are not counted). Returns how many."""
+    died): outcome error, code "interrupted", ended now, with the tokens the agents say they
+    took in and generated for them (GetRequestUsage; a request no agent remembers keeps 0).
+    Returns how many."""
     older_than = settings.REQUEST_TIMEOUT_SECONDS + 60 if older_than is None else older_than
     now = datetime.now(UTC)
-    n = UsageRecord.objects.filter(
+    stale = UsageRecord.objects.filter(
         outcome=UsageRecord.Outcome.RUNNING, started_at__lt=now - timedelta(seconds=older_than)
-    ).update(outcome=UsageRecord.Outcome.ERROR, error_code="interrupted", finished_at=now)
+    )
+    ids = list(stale.values_list("request_id", flat=True)[:SETTLE_BATCH])
+    if not ids:
+        return 0
+    counted = _agents_counts(ids)
+    settled = {
+        "outcome": UsageRecord.Outcome.ERROR,
+        "error_code": "interrupted",
+        "finished_at": now,
+    }
+    n = 0
+    with transaction.atomic():
+        for rid, (prompt, completion, nodes) in counted.items():
+            n += stale.filter(request_id=rid).update(
+                **settled, prompt_tokens=prompt, completion_tokens=completion, nodes=nodes
+            )
+        n += stale.filter(request_id__in=ids).update(**settled)  # the ones nobody counted
     if n:
-        log.warning("usage: %d record(s) of streams whose web process died, settled", n)
+        log.warning(
+            "usage: %d record(s) of streams whose web process died, settled (%d with the "
+            "agents' token counts)",
+            n,
+            len(counted),
+        )
     return n
+
+
+#: Records settled per sweep (the next sweep, a minute later, takes the rest).
+SETTLE_BATCH = 1000
+
+
+def _agents_counts(request_ids: list[str]) -> dict[str, tuple[int, int, list[str]]]:
+    """request id -> (prompt tokens, completion tokens, node names), from every ready
+    node's agent; an agent that does not answer counts nothing."""
+    import grpc
+    from llamafleet.agent.v1 import agent_pb2 as pb
+
+    from apps.nodes import agent_client
+    from apps.nodes.models import Node
+
+    def ask(node: Node):
+        try:
+            return node.name, agent_client.stub(node.address).GetRequestUsage(
+                pb.GetRequestUsageRequest(request_ids=request_ids),
+                metadata=agent_client.metadata(),
+                timeout=agent_client.STATUS_TIMEOUT,
+            )
+        except grpc.RpcError as exc:
+            log.info("usage: %s did not give its counts (%s)", node.name, exc.code())
+            return node.name, None
+
+    nodes = list(Node.objects.filter(state=Node.State.READY))
+    counts: dict[str, tuple[int, int, list[str]]] = {}
+    if not nodes:
+        return counts
+    with ThreadPoolExecutor(max_workers=min(16, len(nodes))) as pool:
+        for name, answer in pool.map(ask, nodes):
+            for u in answer.usage if answer is not None else ():
+                prompt, completion, names = counts.get(u.request_id, (0, 0, []))
+                counts[u.request_id] = (
+                    max(prompt, u.prompt_tokens),
+                    completion + u.completion_tokens,
+                    [*names, name],
+                )
+    return counts
 
 
 def _close_after(fn):

@@ -5,8 +5,9 @@ lost, the time until a new request is served and until both replicas are back, a
 fleet's state after; then it checks the targets. The figures go to var/test/faults.json and
 README.md's table (`pytest -m faults -s` prints them).
 
-Link cuts between a split's head and stage are not here: they need network namespaces and
-are tested in tests/cluster/.
+The last two faults strike a layer split of the same model over both agents, deployed
+beside the two replicas: its rpc stage is killed, then the link between head and stage is
+cut for a while (iptables drops the stage's port; the agents share this machine's loopback).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from glob import glob
 from pathlib import Path
@@ -39,6 +42,8 @@ STREAMS = 16
 MAX_TOKENS = 32
 RESULTS = ROOT / "var/test/faults.json"
 PG_DOWN_SECONDS = 30
+SPLIT = "faults-split"
+LINK_CUT_SECONDS = 10
 
 
 class PrivatePostgres:
@@ -141,6 +146,8 @@ class Fleet:
         self.key = stack.env["LLAMAFLEET_BOOTSTRAP_KEY"]
         self.headers = {"Authorization": f"Bearer {self.key}"}
         self.agent2: tuple[int, int] = (0, 0)  # its listen and metrics ports
+        self.expect = {DEPLOYMENT: 2}  # deployment -> replicas ready when healed
+        self.last_results: list[dict] = []  # what each stream of the last strike got
 
     def get(self, path: str, base: str | None = None):
         try:
@@ -173,13 +180,16 @@ class Fleet:
         return self.api(f"/api/v1/deployments/{DEPLOYMENT}/")
 
     def healed(self, struck: float | None = None) -> bool:
-        """Both replicas ready; after a fault (struck), each also confirmed by its agent in a
-        report sent since (a replica whose agent died is still listed ready until the
-        restarted agent reports; that is not healed)."""
-        d = self.get(f"/api/v1/deployments/{DEPLOYMENT}/")
-        ready = {r["id"] for r in (d or {}).get("replica_set", ()) if r["state"] == "ready"}
-        if len(ready) != 2:
-            return False
+        """Every replica expected ready; after a fault (struck), each also confirmed by its
+        agent in a report sent since (a replica whose agent died is still listed ready until
+        the restarted agent reports; that is not healed)."""
+        ready: set[str] = set()
+        for name, replicas in self.expect.items():
+            d = self.get(f"/api/v1/deployments/{name}/")
+            mine = {r["id"] for r in (d or {}).get("replica_set", ()) if r["state"] == "ready"}
+            if len(mine) != replicas:
+                return False
+            ready |= mine
         if struck is None:
             return True
         since = time.monotonic() - struck
@@ -212,11 +222,13 @@ def stream(url: str, key: str, i: int) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    began = time.monotonic()
+    seen = {"id": "", "pieces": 0}  # its request id and the text pieces that reached it
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=180,
                           headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
             if r.status_code != 200:
-                return {"ok": False, "error": f"HTTP {r.status_code}"}
+                return {"ok": False, "error": f"HTTP {r.status_code}", "seconds": 0.0}
             done, finish, usage = False, None, None
             for line in r.iter_lines():
                 if line == "data: [DONE]":
@@ -224,14 +236,19 @@ def stream(url: str, key: str, i: int) -> dict:
                 elif line.startswith("data: "):
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
-                        return {"ok": False, "error": chunk["error"].get("message", "error")}
+                        return {"ok": False, "error": chunk["error"].get("message", "error"),
+                                **seen}  # fmt: skip
+                    seen["id"] = chunk.get("id", "").removeprefix("chatcmpl-")
                     usage = chunk.get("usage") or usage
                     for c in chunk.get("choices") or ():
                         finish = c.get("finish_reason") or finish
+                        seen["pieces"] += bool((c.get("delta") or {}).get("content"))
             ok = done and finish is not None and usage is not None
-            return {"ok": ok, "error": "" if ok else "cut short"}
+            took = time.monotonic() - began
+            return {"ok": ok, "error": "" if ok else "cut short", "seconds": took, **seen}
     except httpx.HTTPError as exc:
-        return {"ok": False, "error": type(exc).__name__}
+        return {"ok": False, "error": type(exc).__name__, "seconds": time.monotonic() - began,
+                **seen}  # fmt: skip
 
 
 def served(url: str, key: str) -> str:
@@ -280,7 +297,7 @@ def strike(f: Fleet, name: str, fault, restore, *, urls: list[str] | None = None
         prober = threading.Thread(target=probe, daemon=True)
         prober.start()
         restore()
-        results = [fu.result() for fu in futures]
+        results = f.last_results = [fu.result() for fu in futures]
         prober.join(300)  # the streams have ended: serving and replicas are back by now
     healed = back.get("healed", float("nan"))
     # Records are written in the background (and wait out a database that was away).
@@ -295,8 +312,14 @@ def strike(f: Fleet, name: str, fault, restore, *, urls: list[str] | None = None
         f.wait(all_recorded, 60, f"{name}: usage records")
     except AssertionError:
         pass
-    d = f.get(f"/api/v1/deployments/{DEPLOYMENT}/") or {"state": "not answering", "replicas": 0,
-                                                        "replica_set": []}  # fmt: skip
+    after = []
+    for dep in f.expect:
+        d = f.get(f"/api/v1/deployments/{dep}/") or {"state": "not answering", "replicas": 0,
+                                                    "replica_set": []}  # fmt: skip
+        ready = sum(r["state"] == "ready" for r in d["replica_set"])
+        after.append(f"{d['state']}, {ready} of {d['replicas']} replicas ready")
+    if len(after) > 1:
+        after = [f"{dep}: {a}" for dep, a in zip(f.expect, after, strict=True)]
     row = {
         "fault": name,
         "streams": STREAMS,
@@ -305,11 +328,12 @@ def strike(f: Fleet, name: str, fault, restore, *, urls: list[str] | None = None
         "errors": sorted({r["error"] for r in results if not r["ok"]}),
         "usage_records_lost": STREAMS - len(counted),
         "outcomes": sorted(r["outcome"] for r in counted),
+        "streams_by_deployment": dict(Counter(r["deployment"] for r in counted)),
+        "slowest_stream_seconds": round(max(r["seconds"] for r in results), 2),
         "serving_back_seconds": round(back.get("seconds", float("nan")), 2),
         "new_requests_failed_with": sorted(back.get("failures", ())),
         "replicas_back_seconds": round(healed, 2),
-        "state_after": f"{d['state']}, {sum(r['state'] == 'ready' for r in d['replica_set'])} "
-        f"of {d['replicas']} replicas ready",
+        "state_after": "; ".join(after),
     }
     print(json.dumps(row))
     _save(row)
@@ -366,6 +390,26 @@ def test_kill_one_of_two_web_processes(fleet):
     )  # fmt: skip
     # Streams through the killed process end with a connection error; the others complete.
     assert row["completed"] >= STREAMS // 2 and row["usage_records_lost"] == 0, row
+    # Its records stay running; the sweeper (run now, not in a minute) settles them with the
+    # tokens the agents counted, which the dead process could not write.
+    f.stack.manage("shell", "-c", "from apps.usage.services import settle_interrupted as s; s(0)")
+    got = f.get(f"/api/v1/usage/?limit=1000&since={time.strftime('%Y-%m-%d')}T00:00:00Z")
+    cut = [r for r in got["results"] if r["app"] == f"fault-{row['fault']}"
+           and r["error_code"] == "interrupted"]  # fmt: skip
+    assert len(cut) == row["lost"], (cut, row)
+    # Each record holds at least the tokens its client saw before the cut (a piece of text
+    # is one token or more), and its prompt once anything was generated.
+    records = {r["request_id"]: r for r in cut}
+    lost = [s for s in f.last_results if not s["ok"]]
+    for s in lost:
+        if s["id"]:
+            r = records[s["id"]]
+            assert r["completion_tokens"] >= s["pieces"], (r, s)
+            assert r["prompt_tokens"] > 0 or not r["completion_tokens"], (r, s)
+    assert sum(s["pieces"] for s in lost) > 0, lost  # the fault struck mid-stream
+    settled = sorted(r["completion_tokens"] for r in cut)
+    print(f"{len(cut)} interrupted records settled with the agents' counts: {settled} tokens "
+          f"(their clients saw {sorted(s['pieces'] for s in lost)} pieces)")  # fmt: skip
 
 
 @pytest.mark.parametrize("proc", ["worker", "beat"])
@@ -387,4 +431,65 @@ def test_stop_postgresql_for_30_seconds(fleet):
     f = fleet
     row = strike(f, f"postgresql stopped {PG_DOWN_SECONDS} s", f.pg.stop,
                  lambda: (time.sleep(PG_DOWN_SECONDS), f.pg.start()))  # fmt: skip
+    assert row["completed"] == STREAMS and row["usage_records_lost"] == 0, row
+
+
+# ---- a split beside the replicas: its stage killed, its link cut ------------------------------
+
+
+@pytest.fixture
+def split(fleet):
+    """A layer split of the same model over both agents (head on the first, stage on node-b)
+    beside the two replicas: requests for the model go to all three."""
+    f = fleet
+    resp = f.post("/api/v1/deployments/", {
+        "name": SPLIT, "model": MODEL, "replicas": 1, "parallel": 4, "context_length": 1024,
+        "split_mode": "layer", "pin_nodes": [socket.gethostname(), "node-b"],
+    })  # fmt: skip
+    assert resp.status_code == 202, resp.text
+    f.expect = {DEPLOYMENT: 2, SPLIT: 1}
+    try:
+        f.wait(f.healed, 240, "the split beside the replicas")
+        yield f
+    finally:
+        f.expect = {DEPLOYMENT: 2}
+        f.post(f"/api/v1/deployments/{SPLIT}/undeploy/", {})
+        f.wait(lambda: f.get(f"/api/v1/deployments/{SPLIT}/")["state"] == "stopped", 120,
+               "the split stopped")  # fmt: skip
+        resp = httpx.delete(f"{f.urls[0]}/api/v1/deployments/{SPLIT}/", headers=f.headers)
+        assert resp.status_code == 204, resp.text  # the next fault deploys it afresh
+
+
+def stage_server(f: Fleet) -> dict:
+    """The rpc server node-b runs for the split, as its last report says."""
+    [node] = [n for n in f.api("/api/v1/nodes/")["results"] if n["name"] == "node-b"]
+    [server] = [s for s in node["rpc_servers"] if s["running"]]
+    return server
+
+
+def test_kill_a_split_stage(split):
+    """The head's engine fails at its next token; its streams move to the whole replicas,
+    and the restart policy brings the split back (its stage's rpc server started anew)."""
+    f = split
+    pid = stage_server(f)["pid"]
+    row = strike(f, "rpc stage kill -9", lambda: os.kill(pid, signal.SIGKILL), lambda: None)
+    assert row["completed"] == STREAMS and row["usage_records_lost"] == 0, row
+
+
+@pytest.mark.skipif(not shutil.which("iptables"), reason="needs iptables")
+def test_cut_the_link_between_a_split_head_and_its_stage(split):
+    f = split
+    port = stage_server(f)["endpoint"].rsplit(":", 1)[1]
+    rule = ["INPUT", "-i", "lo", "-p", "tcp", "--dport", port, "-j", "DROP"]
+
+    def iptables(*args: str) -> None:
+        subprocess.run(["iptables", *args], check=True, capture_output=True)
+
+    try:
+        row = strike(
+            f, f"split link cut {LINK_CUT_SECONDS} s", lambda: iptables("-I", *rule),
+            lambda: (time.sleep(LINK_CUT_SECONDS), iptables("-D", *rule)),
+        )  # fmt: skip
+    finally:
+        subprocess.run(["iptables", "-D", *rule], capture_output=True)  # if still there
     assert row["completed"] == STREAMS and row["usage_records_lost"] == 0, row

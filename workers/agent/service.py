@@ -16,6 +16,7 @@ from llamafleet.agent.v1 import agent_pb2_grpc
 
 import workers
 from workers.agent import quantize, rpc_servers, system
+from workers.agent.ledger import Ledger
 from workers.agent.metrics import AgentMetrics
 from workers.agent.rpc_servers import RpcServer
 from workers.agent.store import ModelStore
@@ -112,6 +113,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         self.boot_id = uuid.uuid4().hex
         self._on_change = on_change or (lambda: None)
         self.metrics = AgentMetrics(self)
+        self.ledger = Ledger()  # tokens per recent request, for the usage sweeper
 
     def _replica(self, replica_id: str) -> Replica:
         replica = self.replicas.get(replica_id)
@@ -187,11 +189,14 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
     async def RunInference(self, request, context):
         if self.draining:  # shutting down: the caller sends it to another replica
             await abort(context, EngineError(errors.DRAINING, f"{self.node_name} is shutting down"))
+        count = self.ledger.count
         try:
             replica = self._replica(request.replica_id)
             payload = inference_payload(request)
             async for event in replica.engine.generate(payload):
                 if isinstance(event, Token):
+                    # Counted as it goes: a caller that dies mid-stream leaves its count here.
+                    count(request.request_id, event.prompt_tokens, len(event.token_ids))
                     yield pb.InferenceResponse(
                         choice=_choice(event.id),
                         text=event.text,
@@ -216,6 +221,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
                         event.usage,
                         event.timings,
                     )
+                    count(request.request_id, 0, 0, finished=True)
                     yield pb.InferenceResponse(
                         choice=_choice(event.id),
                         finish_reason=_FINISH[event.reason],
@@ -226,6 +232,21 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             if exc.code != errors.REPLICA_NOT_FOUND:
                 self.metrics.failed(request.replica_id, replica.model_name, exc.name)
             await abort(context, exc)
+
+    async def GetRequestUsage(self, request, context):
+        found = ((rid, self.ledger.get(rid)) for rid in request.request_ids)
+        return pb.GetRequestUsageResponse(
+            usage=[
+                pb.RequestUsage(
+                    request_id=rid,
+                    prompt_tokens=c.prompt_tokens,
+                    completion_tokens=c.completion_tokens,
+                    finished=c.finished,
+                )
+                for rid, c in found
+                if c is not None
+            ]
+        )
 
     async def Tokenize(self, request, context):
         try:

@@ -118,6 +118,9 @@ async def test_a_stream_is_recorded_while_it_runs_and_settled_if_its_process_die
     assert await sync_to_async(services.settle_interrupted)(older_than=0) == 1
     r = await UsageRecord.objects.aget(pk=r.pk)
     assert (r.outcome, r.error_code) == ("error", "interrupted") and r.finished_at is not None
+    # With the tokens the agent counted for it (the web process's own count died with it).
+    assert r.prompt_tokens == gen.prompt_tokens > 0 and r.completion_tokens >= 1
+    assert r.nodes == [gen.target.node_name]
     await events.aclose()  # (a live process would complete it; a settled record stays)
     [r] = await records()
     assert r.error_code == "interrupted"

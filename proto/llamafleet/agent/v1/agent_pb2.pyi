@@ -399,6 +399,30 @@ class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class GetRequestUsageRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RequestUsage(_message.Message):
+    __slots__ = ("request_id", "prompt_tokens", "completion_tokens", "finished")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    finished: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class GetRequestUsageResponse(_message.Message):
+    __slots__ = ("usage",)
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    usage: _containers.RepeatedCompositeFieldContainer[RequestUsage]
+    def __init__(self, usage: _Optional[_Iterable[_Union[RequestUsage, _Mapping]]] = ...) -> None: ...
+
 class ReplicaStatus(_message.Message):
     __slots__ = ("replica_id", "model_name", "state", "error", "memory_bytes", "in_flight", "pid", "context_length", "parallel")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]

@@ -67,6 +67,11 @@ class NodeAgentStub:
                 request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.NodeStatus.FromString,
                 _registered_method=True)
+        self.GetRequestUsage = channel.unary_unary(
+                '/llamafleet.agent.v1.NodeAgent/GetRequestUsage',
+                request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.GetRequestUsageRequest.SerializeToString,
+                response_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.GetRequestUsageResponse.FromString,
+                _registered_method=True)
         self.StartRpcServer = channel.unary_unary(
                 '/llamafleet.agent.v1.NodeAgent/StartRpcServer',
                 request_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.StartRpcServerRequest.SerializeToString,
@@ -150,6 +155,15 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRequestUsage(self, request, context):
+        """Tokens this agent's engines took in and generated for recent requests, by request id
+        (kept an hour, at most 100,000 requests): how the control plane settles the usage of a
+        stream whose web process died before it could count it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StartRpcServer(self, request, context):
         """Serve this node's CPU to a head elsewhere over llama.cpp's RPC protocol (a model split
         across nodes). Idempotent per port.
@@ -227,6 +241,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.GetStatusRequest.FromString,
                     response_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.NodeStatus.SerializeToString,
+            ),
+            'GetRequestUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRequestUsage,
+                    request_deserializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.GetRequestUsageRequest.FromString,
+                    response_serializer=llamafleet_dot_agent_dot_v1_dot_agent__pb2.GetRequestUsageResponse.SerializeToString,
             ),
             'StartRpcServer': grpc.unary_unary_rpc_method_handler(
                     servicer.StartRpcServer,
@@ -424,6 +443,33 @@ class NodeAgent:
             '/llamafleet.agent.v1.NodeAgent/GetStatus',
             llamafleet_dot_agent_dot_v1_dot_agent__pb2.GetStatusRequest.SerializeToString,
             llamafleet_dot_agent_dot_v1_dot_agent__pb2.NodeStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRequestUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llamafleet.agent.v1.NodeAgent/GetRequestUsage',
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.GetRequestUsageRequest.SerializeToString,
+            llamafleet_dot_agent_dot_v1_dot_agent__pb2.GetRequestUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,
