@@ -22,9 +22,9 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         self._sent: dict[str, str] = {}
         self._lock = asyncio.Lock()
         await self.channel_layer.group_add(live.GROUP, self.channel_name)
-        live.feed().join()
+        live.feed().join(self)
         await self.accept()
-        await self._catch_up()
+        await self.catch_up()
         points = await database_sync_to_async(series.history)()
         await self.send(
             text_data=json.dumps({"series": points, "step": series.STEP, "reset": True})
@@ -32,19 +32,20 @@ class DashboardConsumer(AsyncWebsocketConsumer):
 
     async def disconnect(self, code):
         if hasattr(self, "_sent"):
-            live.feed().leave()
+            live.feed().leave(self)
             await self.channel_layer.group_discard(live.GROUP, self.channel_name)
 
     async def fleet_changed(self, event):
         """Something the dashboard shows changed (announced by live.py)."""
         live.feed().changed(event["id"])
-        await self._catch_up()
+        await self.catch_up()
 
     async def series_point(self, event):
         """A point beat just took (sent to the group by series.record)."""
         await self.send(text_data=json.dumps({"series": [event["point"]], "step": series.STEP}))
 
-    async def _catch_up(self):
+    async def catch_up(self):
+        """Send what changed since the last send (all of it the first time)."""
         async with self._lock:
             sections = await live.feed().current()
             if sections is self._sent:  # the Feed keeps its dict until something changes

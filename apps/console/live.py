@@ -6,6 +6,12 @@ made it (a service, a conditional claim, a heartbeat, a Celery task). The announ
 a burst of pokes and tells every web process once, through the Channels group `console`.
 There, one Feed per process rebuilds the snapshot once, however many consoles are open, and
 each console gets only the sections that changed.
+
+An announcement can be lost (a group message dropped, a console that joined the group just
+after it went out), and a console would then show the old state until the next change. So
+every announcement also counts up a version in Redis, and a Feed with consoles open compares
+it with its snapshot's every WATCH_SECONDS (one Redis GET per process; no database query
+unless the version moved).
 """
 
 from __future__ import annotations
@@ -31,6 +37,17 @@ GROUP = "console"
 WATCHED_APPS = ("nodes", "deployments", "catalog")
 #: A burst of writes within this many seconds is announced once.
 COALESCE_SECONDS = 0.2
+#: How often a Feed with consoles open checks that it missed no announcement.
+WATCH_SECONDS = 5.0
+#: An announcement that takes longer is given up (the version has moved: Feeds catch up).
+ANNOUNCE_TIMEOUT = 5.0
+
+
+def _version_key() -> str:
+    from controlplane.redis import key
+
+    return key("console", "version")
+
 
 _WRITE = re.compile(
     r'^\s*(?:(?P<truncate>TRUNCATE)|UPDATE|INSERT\s+INTO|DELETE\s+FROM)\s+"?(?P<table>\w+)"?', re.I
@@ -92,6 +109,8 @@ class _Announcer:
     def _run(self) -> None:
         from channels.layers import get_channel_layer
 
+        from controlplane.redis import sync_client
+
         loop = asyncio.new_event_loop()
         layer = get_channel_layer()
         poked, quiet = self._poked, self._quiet
@@ -100,9 +119,11 @@ class _Announcer:
             loop.run_until_complete(asyncio.sleep(COALESCE_SECONDS))
             poked.clear()
             try:
+                sync_client().incr(_version_key())  # first: a Feed that misses the message sees it
                 # Every console of a process gets the message; its id lets the Feed count it once.
                 change = {"type": "fleet.changed", "id": uuid.uuid4().hex}
-                loop.run_until_complete(layer.group_send(GROUP, change))
+                send = layer.group_send(GROUP, change)
+                loop.run_until_complete(asyncio.wait_for(send, ANNOUNCE_TIMEOUT))
             except Exception as exc:  # Redis away: the next change announces again
                 log.warning("console: could not announce a change (%s)", exc)
             if not poked.is_set():
@@ -118,10 +139,13 @@ class Feed:
 
     def __init__(self):
         self.sections: dict[str, str] = {}  # a new dict whenever something in it changed
+        self.version = -1  # the announced version when the snapshot was built (-1: unknown)
         self._stale = True
         self._building: asyncio.Task | None = None
         self._open = 0
         self._seen: collections.deque[str] = collections.deque(maxlen=64)
+        self._consoles: weakref.WeakSet = weakref.WeakSet()  # woken by the watch
+        self._watching: asyncio.Task | None = None
 
     def changed(self, change_id: str) -> None:
         """An announced change, delivered once to each console here: the first marks the
@@ -131,16 +155,37 @@ class Feed:
         self._seen.append(change_id)
         self._stale = True
 
-    def join(self) -> None:
+    def join(self, console=None) -> None:
+        """A console opened; one that has `catch_up()` is woken when the watch finds a
+        change that was not announced here."""
         self._open += 1
+        if console is not None:
+            self._consoles.add(console)
+            if self._watching is None or self._watching.done():
+                self._watching = asyncio.ensure_future(self._watch())
 
-    def leave(self) -> None:
+    def leave(self, console=None) -> None:
         """A console closed. With none left open, changes reach nobody here: the snapshot
         cannot be trusted any more, and the next console gets a fresh one."""
+        self._consoles.discard(console)
         self._open -= 1
         if self._open <= 0:
             self._open = 0
             self._stale = True
+
+    async def _watch(self) -> None:
+        while self._consoles:
+            await asyncio.sleep(WATCH_SECONDS)
+            version = await _version()
+            if version is None or version <= self.version:
+                continue
+            log.info("console: a change was not announced here; catching up")
+            self._stale = True
+            for console in list(self._consoles):
+                try:
+                    await console.catch_up()
+                except Exception as exc:  # a socket closing now; the others still get it
+                    log.info("console: could not catch a console up (%s)", exc)
 
     async def current(self) -> dict[str, str]:
         while self._stale:
@@ -156,15 +201,28 @@ class Feed:
 
         self._stale = False  # a change during the build makes it stale again
         try:
+            version = await _version()  # before the snapshot: later changes count above it
             snap = await database_sync_to_async(snapshot)()
             sections = {k: json.dumps(v, cls=DjangoJSONEncoder) for k, v in snap.items()}
             if sections != self.sections:
                 self.sections = sections
+            if version is not None:
+                self.version = version
         except Exception:
             self._stale = True
             raise
         finally:
             self._building = None
+
+
+async def _version() -> int | None:
+    """The announced changes' count (None when Redis does not answer)."""
+    from controlplane.redis import client
+
+    try:
+        return int(await client().get(_version_key()) or 0)
+    except Exception:
+        return None
 
 
 _feeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -91,6 +91,25 @@ def test_rpc_servers_refuse_bad_ports(head_and_stage):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_port_held_by_a_connection_is_in_use_though_nothing_listens(head_and_stage):
+    """The port a connection holds as its local end answers no connect, yet ggml's server
+    could not bind it (seen in CI: 50052 is inside the ephemeral range). The agent says
+    ENDPOINT_IN_USE, so the control plane moves on to the next port."""
+    (_, stub), _ = head_and_stage
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        held = free_port()
+        client = socket.socket()
+        client.bind(("127.0.0.1", held))
+        client.connect(listener.getsockname())
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.StartRpcServer(pb.StartRpcServerRequest(port=held), metadata=AUTH)
+            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS, err.value.details()
+            assert "already in use" in err.value.details()
+        finally:
+            client.close()
+
+
 def test_a_head_checks_rpc_servers_and_measures_links(head_and_stage):
     (head, head_stub), (stage, stage_stub) = head_and_stage
     port, dead = free_port(), free_port()

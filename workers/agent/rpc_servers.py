@@ -45,6 +45,19 @@ def _answers(host: str, port: int) -> bool:
     return True
 
 
+def _bindable(host: str, port: int) -> bool:
+    """Could a server bind host:port now? Not only a listener holds a port: a connection's
+    local end can too (50052 is inside Linux's ephemeral range), and then nothing answers a
+    connect but ggml's server still fails to bind ("Failed to create server socket", exit 0)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 class RpcServer:
     """One llama.cpp RPC server process bound to host:port."""
 
@@ -63,9 +76,12 @@ class RpcServer:
             return ""
         return describe_exit(self._proc.exitcode).replace("engine", "rpc server")
 
+    def _in_use(self) -> EngineError:
+        return EngineError(errors.ENDPOINT_IN_USE, f"{self.endpoint} is already in use")
+
     async def start(self, timeout: float = 15.0) -> None:
-        if _answers(self.host, self.port):
-            raise EngineError(errors.ENDPOINT_IN_USE, f"{self.endpoint} is already in use")
+        if _answers(self.host, self.port) or not _bindable(self.host, self.port):
+            raise self._in_use()
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=_child,
@@ -77,6 +93,8 @@ class RpcServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self._proc.is_alive():
+                if not _bindable(self.host, self.port):  # taken between the check and now
+                    raise self._in_use()
                 raise EngineError(
                     errors.ENGINE_FAILED, f"rpc server at {self.endpoint}: {self.error}"
                 )
