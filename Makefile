@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO := proto/llamafleet/agent/v1/agent.proto
 
-.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-soak bench-fleet bench-coldstart bench-console bench-cores llama-server
+.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-soak bench-fleet bench-coldstart bench-console llama-server
 
 setup: $(VENV)/.installed
 
@@ -65,11 +65,6 @@ bench-coldstart: setup
 # Needs the test model cache (run `make test` once).
 bench-grammar: setup
 	$(PY) bench/grammar.py
-
-# Two replicas on one node, each engine on every core against the agent's shares (needs the
-# test model cache).
-bench-cores: setup
-	$(PY) bench/cores.py
 
 # Database queries of 10 open consoles, idle and with the fleet changing (PostgreSQL with
 # DATABASE_URL, else SQLite).

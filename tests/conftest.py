@@ -153,14 +153,7 @@ METRICS_TOKEN = "test-metrics-token"
 class RunningAgent:
     """A real node agent serving gRPC on a real socket, in a thread with its own loop."""
 
-    def __init__(
-        self,
-        store: Path,
-        name: str = "node-a",
-        metrics_listen: str = "",
-        tls_files=None,
-        threads: int = 2,
-    ):
+    def __init__(self, store: Path, name: str = "node-a", metrics_listen: str = "", tls_files=None):
         import threading
 
         from workers.agent.server import Agent, AgentSettings
@@ -175,7 +168,7 @@ class RunningAgent:
             control_plane="",
             node_token=os.environ["LLAMAFLEET_NODE_TOKEN"],
             models_dir=str(store),
-            threads=threads,
+            threads=2,
             metrics_listen=metrics_listen,
             metrics_token=METRICS_TOKEN,
             tls=tls_files,

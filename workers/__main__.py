@@ -59,8 +59,7 @@ def _agent_options(a: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=int(_env("LLAMAFLEET_AGENT_THREADS", "0")),
-        help="decode threads per engine, 0 to divide the cores among the engines "
-        "(LLAMAFLEET_AGENT_THREADS)",
+        help="decode threads per engine, 0 for all cores (LLAMAFLEET_AGENT_THREADS)",
     )
     a.add_argument(
         "--heartbeat",

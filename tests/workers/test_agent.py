@@ -190,62 +190,6 @@ def test_free_memory_stops_the_engine_and_is_idempotent(agent, stub):
     assert not stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).replicas
 
 
-def test_an_agent_choosing_threads_divides_its_cores_among_its_engines(model_store):
-    """Two engines that each take every core spin against each other at llama.cpp's
-    barriers; an agent without --threads gives each a share, as engines come and go."""
-    from tests.conftest import RunningAgent
-
-    running = RunningAgent(model_store, threads=0)
-    channel = grpc.insecure_channel(running.address)
-    stub = agent_pb2_grpc.NodeAgentStub(channel)
-
-    def threads() -> dict[str, int]:  # what each engine confirmed holding
-        replicas = stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).replicas
-        return {r.replica_id: r.threads for r in replicas if r.state == pb.REPLICA_STATE_READY}
-
-    try:
-        cores = stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).cpu_cores
-        assert load(stub, "r1").state == pb.REPLICA_STATE_READY
-        assert threads() == {"r1": cores}
-        assert load(stub, "r2").state == pb.REPLICA_STATE_READY
-        half = max(1, cores // 2)
-        assert threads() == {"r1": max(1, cores - half), "r2": half}
-        msgs = list(stub.RunInference(chat("r1", max_tokens=8), metadata=AUTH))
-        assert msgs[-1].usage.completion_tokens > 0  # it decodes with its new share
-        assert stub.FreeMemory(pb.FreeMemoryRequest(replica_id="r2"), metadata=AUTH).freed
-        assert threads() == {"r1": cores}  # a freed engine gives its share back
-        assert load(stub, "r3").state == pb.REPLICA_STATE_READY
-        os.kill(running.engine_pid("r3"), signal.SIGKILL)  # and so does a dead one
-        wait_for(lambda: threads() == {"r1": cores}, timeout=20, interval=0.1)
-    finally:
-        channel.close()
-        running.close()
-
-
-def test_shares_give_the_first_engines_what_does_not_divide_evenly(model_store, monkeypatch):
-    from types import SimpleNamespace
-
-    from workers.agent import service, system
-    from workers.agent.store import ModelStore
-
-    agent = service.NodeAgentService("n", ModelStore(model_store, "token"))
-    monkeypatch.setattr(system, "cpu_cores", lambda: 5)
-
-    def replica(state: str, shares: bool = True):
-        return SimpleNamespace(shares_cores=shares, engine=SimpleNamespace(state=state))
-
-    agent.replicas = {
-        "c": replica("ready"),
-        "a": replica("loading"),
-        "b": replica("ready"),
-        "fixed": replica("ready", shares=False),
-        "dead": replica("failed"),
-    }
-    assert agent._shares() == {"a": 2, "b": 2, "c": 1}
-    monkeypatch.setattr(system, "cpu_cores", lambda: 2)
-    assert agent._shares() == {"a": 1, "b": 1, "c": 1}  # never fewer than one
-
-
 def test_metrics_need_the_node_token_and_describe_replicas(model_store):
     """GET /metrics of an agent over a real socket."""
     import httpx

@@ -64,16 +64,12 @@ async def abort(context: grpc.aio.ServicerContext, exc: EngineError):
 class Replica:
     """One loaded model on this agent: its engine process and its identity."""
 
-    def __init__(
-        self, request: pb.LoadModelRequest, engine: EngineProcess, shares_cores: bool = False
-    ):
+    def __init__(self, request: pb.LoadModelRequest, engine: EngineProcess):
         self.replica_id = request.replica_id
         self.model_name = request.model_name
         self.engine = engine
         self.loaded = asyncio.Event()
         self.load_seconds = 0.0
-        #: Its threads are the agent's to choose: a share of the cores (see _shares).
-        self.shares_cores = shares_cores
 
     def status(self) -> pb.ReplicaStatus:
         e = self.engine
@@ -87,7 +83,6 @@ class Replica:
             pid=e.pid,
             context_length=e.config.context_length,
             parallel=e.config.parallel,
-            threads=e.threads,
         )
 
 
@@ -107,9 +102,6 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         self.node_name = node_name
         self.store = store
         self.threads = threads or system.cpu_cores()
-        #: No --threads given: the agent divides the cores among its engines.
-        self.share_cores = not threads
-        self._tasks: set[asyncio.Task] = set()  # rebalances in flight (kept from the GC)
         self.stream_interval = stream_interval
         self.rpc_host = rpc_host
         self.tls_files = tls_files  # for calls to other agents (link measurement)
@@ -150,7 +142,6 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         if existing is not None:
             await existing.engine.stop()
         started = time.monotonic()
-        shares_cores = self.share_cores and not request.threads
         config = EngineConfig(
             model_path="",
             context_length=request.context_length or 2048,
@@ -166,11 +157,9 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             tensor_split=list(request.tensor_split),
             batch_invariant=request.batch_invariant,
         )
-        engine = EngineProcess(config, on_state_change=self._engine_changed)
-        replica = Replica(request, engine, shares_cores)
+        engine = EngineProcess(config, on_state_change=lambda _e: self._on_change())
+        replica = Replica(request, engine)
         self.replicas[request.replica_id] = replica
-        if shares_cores:
-            config.threads = self._shares()[request.replica_id]
         try:
             files = list(request.files) or [
                 pb.ModelFile(
@@ -187,7 +176,6 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         finally:
             replica.load_seconds = time.monotonic() - started
             replica.loaded.set()
-        await self._rebalance()
         return self._load_response(replica)
 
     async def FreeMemory(self, request, context):
@@ -196,47 +184,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             return pb.FreeMemoryResponse(freed=False)
         await replica.engine.stop()
         self._on_change()
-        await self._rebalance()
         return pb.FreeMemoryResponse(freed=True)
-
-    def _shares(self) -> dict[str, int]:
-        """Decode threads for each engine whose threads the agent chooses: the cores divided
-        among those loading or running (the first ones get what does not divide evenly).
-        Engines that each take every core of a node spin against each other at llama.cpp's
-        barriers and decode at a fraction of their speed."""
-        sharing = sorted(
-            rid
-            for rid, r in self.replicas.items()
-            if r.shares_cores and r.engine.state in ("loading", "ready")
-        )
-        cores = system.cpu_cores()
-        each, extra = divmod(cores, max(1, len(sharing)))
-        return {rid: max(1, each + (i < extra)) for i, rid in enumerate(sharing)}
-
-    async def _rebalance(self) -> None:
-        """Give every running engine its share of the cores now (an engine applies it from
-        its next decode step on); after a load, a free or an engine's failure."""
-        changed = False
-        for rid, threads in self._shares().items():
-            replica = self.replicas.get(rid)
-            engine = replica.engine if replica is not None else None
-            if engine is None or engine.state != "ready" or engine.threads == threads:
-                continue
-            try:
-                await engine.set_threads(threads)
-            except EngineError:
-                continue  # an engine that just died: its failure is reported on its own
-            log.info("replica %s now decodes with %d thread(s)", rid, threads)
-            changed = True
-        if changed:
-            self._on_change()
-
-    def _engine_changed(self, engine: EngineProcess) -> None:
-        self._on_change()
-        if engine.state == "failed" and self.share_cores:
-            task = asyncio.get_running_loop().create_task(self._rebalance())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
 
     async def RunInference(self, request, context):
         if self.draining:  # shutting down: the caller sends it to another replica

@@ -217,15 +217,6 @@ class BatchEngine:
         self._embed_ctx = None  # made at the first embedding request
         self._embed_batch = None
 
-    def set_threads(self, threads: int) -> int:
-        """Decode (and read prompts) with `threads` from the next step on; what llama.cpp
-        now holds."""
-        self.threads = max(1, int(threads))
-        for ctx in (self.ctx, self._embed_ctx):
-            if ctx:
-                L.llama_set_n_threads(ctx, self.threads, self.threads)
-        return int(L.llama_n_threads(self.ctx))
-
     # ---- embeddings -------------------------------------------------------------------
 
     def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:

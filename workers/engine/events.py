@@ -1,10 +1,9 @@
 """What the agent and an engine process say to each other over their pipe.
 
 Small picklable records, matched by type (`match msg: case Token(): ...`), never read by
-position. Agent -> engine: Generate, Cancel, Tokenize, Embed, SetThreads, Shutdown. Engine
--> agent: Ready or LoadError once, then Token, Done and Error events of generations (one
-Batch per decode step carries that step's events together), Tokens, Embeddings and Threads
-answers.
+position. Agent -> engine: Generate, Cancel, Tokenize, Embed, Shutdown. Engine -> agent:
+Ready or LoadError once, then Token, Done and Error events of generations (one Batch per
+decode step carries that step's events together), Tokens and Embeddings answers.
 """
 
 from __future__ import annotations
@@ -35,14 +34,6 @@ class Tokenize:
 class Embed:
     id: str
     texts: list[str]
-
-
-@dataclass(slots=True)
-class SetThreads:
-    """Decode with this many threads from the next step on (the agent shares its cores)."""
-
-    id: str
-    threads: int
 
 
 @dataclass(slots=True)
@@ -107,15 +98,9 @@ class Embeddings:
 
 
 @dataclass(slots=True)
-class Threads:
-    id: str
-    threads: int  # what llama.cpp now holds
-
-
-@dataclass(slots=True)
 class Batch:
     events: list  # Token, Done and Error events of one decode step
 
 
 #: Events that belong to one request's stream.
-StreamEvent = Token | Done | Error | Tokens | Embeddings | Threads
+StreamEvent = Token | Done | Error | Tokens | Embeddings

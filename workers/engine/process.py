@@ -31,9 +31,7 @@ from workers.engine.events import (
     Generate,
     LoadError,
     Ready,
-    SetThreads,
     Shutdown,
-    Threads,
     Token,
     Tokenize,
     Tokens,
@@ -286,7 +284,6 @@ def _load(conn, config: EngineConfig):
                 "parallel": engine.parallel,
                 "load_seconds": time.monotonic() - started,
                 "chat_template": bool(template),
-                "threads": engine.threads,
             }
         )
     )
@@ -319,8 +316,6 @@ def _handle(msg, engine, formatter, conn, out: Outbox) -> bool:
                 conn.send(Embeddings(cid, vectors, n_tokens))
             except EngineError as exc:
                 conn.send(Error(cid, exc.code, exc.message))
-        case SetThreads(id=cid, threads=n):
-            conn.send(Threads(cid, engine.set_threads(n)))
         case Shutdown():
             return False
     return True
@@ -515,18 +510,7 @@ class EngineProcess:
         msg = await self._ask(Embed(f"q{next(_ids)}", texts))
         return msg.vectors, msg.n_tokens
 
-    @property
-    def threads(self) -> int:
-        """Decode threads the engine confirmed (0 before it is ready)."""
-        return int(self.info.get("threads", 0))
-
-    async def set_threads(self, threads: int) -> int:
-        """Decode with `threads` from the engine's next step on; what it now holds."""
-        msg = await self._ask(SetThreads(f"q{next(_ids)}", threads))
-        self.info["threads"] = self.config.threads = msg.threads
-        return msg.threads
-
-    async def _ask(self, question: Tokenize | Embed | SetThreads) -> Tokens | Embeddings | Threads:
+    async def _ask(self, question: Tokenize | Embed) -> Tokens | Embeddings:
         """One request, one answer (or an error) from the engine process."""
         self._require_ready()
         queue: asyncio.Queue = asyncio.Queue()

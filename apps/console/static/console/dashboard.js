@@ -146,7 +146,7 @@
       el("td", {}, bar(n.load_average, n.cpu_cores, `load ${n.load_average.toFixed(2)} of ${n.cpu_cores} cores`),
         n.accelerators.length ? el("div", { class: "hint" }, n.accelerators.join(", ")) : ""),
       el("td", {}, String(n.in_flight)),
-      el("td", {}, n.reported_replicas.map((r) => el("div", {}, `${r.model_name}: ${r.state}, ${bytes(r.memory_bytes)}, ${r.in_flight} in flight${r.threads ? `, ${r.threads} thread${r.threads === 1 ? "" : "s"}` : ""}`)),
+      el("td", {}, n.reported_replicas.map((r) => el("div", {}, `${r.model_name}: ${r.state}, ${bytes(r.memory_bytes)}, ${r.in_flight} in flight`)),
         (n.rpc_servers || []).map((r) => el("div", { class: r.running ? "hint" : "hint error" }, `rpc server ${r.endpoint}: ${r.running ? "running" : r.error || "stopped"}`))),
       el("td", {}, n.draining
         ? action("Undrain", () => api("POST", `/api/v1/nodes/${encodeURIComponent(n.name)}/undrain/`).then(() => `${n.name} takes work again`))
