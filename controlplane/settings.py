@@ -121,16 +121,18 @@ INSTALLED_APPS = [
     "django_celery_beat",
 ]
 
+# Django's own middleware, run on the event loop where it does no I/O
+# (controlplane.middleware._Inline): on an async request each sync hook was a thread hop.
 MIDDLEWARE = [
     "controlplane.middleware.RequestLimitsMiddleware",
-    "django.middleware.security.SecurityMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",  # the console's and the admin's files
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "controlplane.middleware.SecurityMiddleware",
+    "controlplane.middleware.StaticFilesMiddleware",  # the console's and the admin's files
+    "controlplane.middleware.SessionMiddleware",
+    "controlplane.middleware.CommonMiddleware",
+    "controlplane.middleware.CsrfViewMiddleware",
+    "controlplane.middleware.AuthenticationMiddleware",
+    "controlplane.middleware.MessageMiddleware",
+    "controlplane.middleware.XFrameOptionsMiddleware",
 ]
 
 #: Largest request body (bytes); larger ones get 413. Prompts up to a long context fit easily.
@@ -261,6 +263,9 @@ REQUEST_TIMEOUT_SECONDS = env.float("LLAMAFLEET_REQUEST_TIMEOUT", default=600.0)
 #: How long a web process trusts its cached table of ready replicas (changes made in this
 #: process clear it at once).
 ROUTING_CACHE_SECONDS = env.float("LLAMAFLEET_ROUTING_CACHE_SECONDS", default=1.0)
+#: How long a web process trusts an API key it checked, without asking the database again
+#: (a key revoked, or its owner deactivated, through this process is refused at once).
+KEY_CACHE_SECONDS = env.float("LLAMAFLEET_KEY_CACHE_SECONDS", default=1.0)
 #: Times one stream may move to another replica after its replica fails mid-flight.
 #: A request for a model scaled to zero waits this long for a first replica (SSE comments
 #: keep a stream's connection open meanwhile), then gets 503 with Retry-After; beyond

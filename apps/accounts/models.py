@@ -6,6 +6,8 @@ import secrets
 from django.conf import settings
 from django.db import models
 
+from controlplane.querysets import SignallingQuerySet
+
 KEY_PREFIX = "lf-"
 
 
@@ -13,7 +15,7 @@ def hash_key(raw: str) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
-class ApiKeyQuerySet(models.QuerySet):
+class ApiKeyQuerySet(SignallingQuerySet):
     def active(self):
         return self.filter(revoked_at__isnull=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import DatabaseError
 from django.utils import timezone
@@ -27,11 +28,18 @@ _remembered: dict[str, tuple[ApiKey, object]] = {}
 
 
 def authenticate_key(raw: str) -> ApiKey | None:
-    """The active key matching a raw bearer value, or None."""
+    """The active key matching a raw bearer value, or None.
+
+    A key checked less than KEY_CACHE_SECONDS ago is taken as it was, without a query: the
+    hot path asks the database nothing per request. A change to a key or a user in this
+    process forgets what it checked at once (signals, below); other processes see it within
+    that time, as they see routing changes."""
     if not raw:
         return None
     digest = hash_key(raw)
     now = timezone.now()
+    if (key := recently_checked(raw)) is not None:
+        return key
     known = _remembered.get(digest)
     fresh_enough = known is not None and now - known[1] <= STALE_IF_ERROR
     if fresh_enough and database_unreachable():
@@ -54,6 +62,43 @@ def authenticate_key(raw: str) -> ApiKey | None:
     if key.last_used_at is None or now - key.last_used_at > _TOUCH_EVERY:
         ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
     return key
+
+
+def recently_checked(raw: str) -> ApiKey | None:
+    """The key of a raw bearer value if this process checked it less than KEY_CACHE_SECONDS
+    ago, else None: no I/O, so async callers skip the thread hop of authenticate_key."""
+    known = _remembered.get(hash_key(raw)) if raw else None
+    if known is not None and timezone.now() - known[1] <= timedelta(
+        seconds=settings.KEY_CACHE_SECONDS
+    ):
+        return known[0]
+    return None
+
+
+def forget_keys(sender=None, instance=None, **_kwargs) -> None:
+    """Drop what this process remembers of a key that changed (of all, for anything else:
+    a user deactivated, a bulk update)."""
+    if isinstance(instance, ApiKey) and instance.key_hash:
+        _remembered.pop(instance.key_hash, None)
+    else:
+        _remembered.clear()
+
+
+def connect_signals() -> None:
+    from django.db.models.signals import post_delete, post_save
+
+    from controlplane.querysets import rows_updated
+
+    for sender in (ApiKey, get_user_model()):
+        uid = f"key-cache-{sender.__name__}"
+        post_save.connect(forget_keys, sender=sender, dispatch_uid=uid)
+        post_delete.connect(forget_keys, sender=sender, dispatch_uid=uid)
+    rows_updated.connect(_forget_on_update, sender=ApiKey, dispatch_uid="key-cache-update")
+
+
+def _forget_on_update(fields=frozenset(), **_kwargs) -> None:
+    if fields != {"last_used_at"}:  # the touch below changes nothing a check reads
+        _remembered.clear()
 
 
 def bearer_from_header(value: str) -> str:

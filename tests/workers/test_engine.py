@@ -318,6 +318,41 @@ def test_outbox_sends_the_first_piece_at_once_and_merges_the_rest():
     assert pipe == [Batch([Token("d", "1", 0, [1], 1, []), Token("e", "2", 0, [2], 1, [])])]
 
 
+def test_outbox_holds_pieces_longer_the_more_streams_are_in_flight():
+    from workers.engine.process import MAX_HOLD, Outbox
+
+    class Pipe(list):
+        send = list.append
+
+    now = [0.0]
+    out = Outbox(pipe := Pipe(), interval=0.02, clock=lambda: now[0])
+    out.send(Token("a", "x", 0, [1], 1, []))
+    out.tick()
+    assert out.hold() == 0.02  # one stream: the interval itself
+    now[0] = 0.03
+    out.send(Token("a", "y", 1, [2], 1, []))
+    out.tick()
+    assert [m.text for m in pipe] == ["x", "y"]
+    for rid in "bcd":  # three more streams: their first pieces go at once
+        out.send(Token(rid, rid, 0, [1], 1, []))
+    out.tick()
+    assert out.hold() == 0.08
+    now[0] = 0.09  # 60 ms after a's last piece: within the four streams' 80 ms
+    out.send(Token("a", "z", 2, [3], 1, []))
+    out.tick()
+    assert pipe[-1] == Batch([Token(r, r, 0, [1], 1, []) for r in "bcd"])
+    now[0] = 0.111
+    out.tick()
+    assert pipe[-1] == Token("a", "z", 2, [3], 1, [])
+    for rid in "efghijkl":
+        out.send(Token(rid, rid, 0, [1], 1, []))
+    assert out.hold() == MAX_HOLD  # twelve streams: capped
+    for rid in "abcdefghijkl":
+        out.send(Done(rid, "stop", {}, {}))
+    assert out.hold() == 0.02  # all done: back to the interval
+    assert Outbox(Pipe(), interval=0.0).hold() == 0.0  # 0 stays one message per token
+
+
 def test_embeddings_equal_llama_in_process(engine, smollm2_path):
     import math
 
@@ -427,29 +462,93 @@ def test_the_invariant_mode_keeps_no_prompt_cache(invariant):
     assert done["y"].usage["cached_tokens"] == 0
 
 
-def test_new_prompts_join_running_sequences_in_the_same_decode(smollm2_path):
-    """Throughput mode: eight prompts arriving together are all read in the first step,
-    and one arriving later is read alongside the others' decoding, not after it."""
+def test_prompts_arriving_together_are_read_in_arrival_order_within_the_budget(smollm2_path):
+    """Throughput mode: prompts arriving together are read first come, first served, at
+    most PROMPT_BUDGET tokens a step, so the first ones reach their first token at once
+    instead of all waiting for all; one arriving later is read alongside the others'
+    decoding, not after it."""
+    from workers.engine import core
+
     e = BatchEngine(str(smollm2_path), context_length=512, parallel=8, threads=2)
     try:
-        topics = ["owls", "trains", "rain", "bread", "maps", "tea", "snow", "bees"]
-        for i, t in enumerate(topics[:7]):
-            e.submit(
-                Request(
-                    f"s{i}", chat_tokens(e, [{"role": "user", "content": f"On {t}."}]), 8, GREEDY
-                )
-            )
-        first = {ev.id for ev in e.step() if isinstance(ev, (Token, Done))}
-        assert first == {f"s{i}" for i in range(7)}  # one step: every prompt read, sampled
+        topics = ["owls", "trains", "rain", "bread", "maps", "tea", "snow"]
+        prompts = [chat_tokens(e, [{"role": "user", "content": f"On {t}."}]) for t in topics]
+        for i, p in enumerate(prompts):
+            e.submit(Request(f"s{i}", p, 8, GREEDY))
+        fits = max(k for k in range(8) if sum(map(len, prompts[:k])) <= core.PROMPT_BUDGET)
+        assert 0 < fits < len(prompts)  # the budget binds here
+        first_step = {}
+        step = 0
+        while len(first_step) < len(prompts):
+            step += 1
+            for ev in e.step():
+                if isinstance(ev, (Token, Done)):
+                    first_step.setdefault(ev.id, step)
+        assert [i for i in range(7) if first_step[f"s{i}"] == 1] == list(range(fits))
+        order = [first_step[f"s{i}"] for i in range(7)]
+        assert order == sorted(order)  # arrival order
         e.submit(
             Request("late", chat_tokens(e, [{"role": "user", "content": "On bees."}]), 8, GREEDY)
         )
+        running = {f"s{i}" for i in range(7)} - {
+            d for d in first_step if not any(s.req.request_id == d for s in e.active.values())
+        }
         second = {ev.id for ev in e.step() if isinstance(ev, (Token, Done))}
-        assert second == {f"s{i}" for i in range(7)} | {"late"}
+        assert second == running | {"late"}
         while not e.idle():
             e.step()
     finally:
         e.close()
+
+
+def test_a_step_over_scattered_slots_is_one_run_of_consecutive_slots(smollm2_path):
+    """llama.cpp cuts a batch over several KV streams into micro-batches of consecutive
+    sequence ids in batch order, each a pass over the weights: every step is laid out in
+    slot order, and idle slots between busy ones get a filler token that leaves their
+    prompt cache, and the other sequences' text, as they were."""
+    topics = ["owls", "trains", "rain", "bread", "maps", "tea"]
+    lengths = [24, 2, 24, 2, 2, 24]  # slots 1, 3 and 4 go idle early
+
+    def serve(fill: bool):
+        e = BatchEngine(str(smollm2_path), context_length=512, parallel=6, threads=2)
+        layouts = []
+        add = e._add
+
+        def traced_add(i, token, pos, seq_id, logits):
+            if i == 0:
+                layouts.append([])
+            layouts[-1].append(seq_id)
+            add(i, token, pos, seq_id, logits)
+
+        e._add = traced_add
+        if not fill:
+            e._fill_holes = lambda take: []
+        try:
+            prompts = [chat_tokens(e, [{"role": "user", "content": f"On {t}."}]) for t in topics]
+            reqs = [
+                Request(f"s{i}", p, n, GREEDY)
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+            ]
+            texts, _, _ = run(e, reqs)
+            again, redone, _ = run(e, [Request("s1-again", prompts[1], 2, GREEDY)])
+            reused = redone["s1-again"].usage["cached_tokens"] == len(prompts[1]) - 1
+            # Returning conversations go back to their slots: arrival order 5, 0, 2.
+            run(e, [Request(f"back{i}", prompts[i], 8, GREEDY) for i in (5, 0, 2)])
+            return texts, layouts, reused and again["s1-again"] == texts["s1"]
+        finally:
+            e.close()
+
+    texts, layouts, cache_kept = serve(fill=True)
+    with_fillers = 0
+    for ids in layouts:
+        runs = [k for j, k in enumerate(ids) if j == 0 or k != ids[j - 1]]
+        assert runs == list(range(runs[0], runs[0] + len(runs))), ids
+        with_fillers += {0, 2, 5} <= set(ids) and len(ids) == 6
+    assert with_fillers > 10  # the steps after slots 1, 3 and 4 went idle
+    assert cache_kept  # an idle slot's cache is whole again after its fillers
+    unfilled, plain_layouts, _ = serve(fill=False)
+    assert any(ids == [0, 2, 5] for ids in plain_layouts)  # what the fillers replace
+    assert texts == unfilled
 
 
 # ---- structured outputs -----------------------------------------------------------------------

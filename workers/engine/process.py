@@ -130,6 +130,10 @@ def describe_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
     return out
 
 
+#: The longest a stream's pieces are held (see Outbox), unless the agent asks for longer.
+MAX_HOLD = 0.1
+
+
 class Outbox:
     """Sends engine events to the agent, merging text a request produces in quick succession.
 
@@ -138,14 +142,22 @@ class Outbox:
     per few tokens all along the chain (pipe, gRPC, SSE) instead of one per token; a slow
     one is not delayed at all. Done and error events flush what is held first.
 
+    The wait grows with the streams in flight (interval x streams, at most MAX_HOLD): the
+    engine then sends about as many messages a second whatever its load, and the agent, the
+    web process and the client, which share the cores with the decode threads, do not
+    spend more on messages when those cores are busiest. Measured with 8 streams on 2
+    cores: 0.47 CPU-seconds in the agent and web process per 1,024 tokens at a fixed
+    20 ms, 0.27 at 100 ms.
+
     Events go out together once per decode step (`tick`): with many streams the agent then
     wakes once a step, not once a stream, and every wake-up on a machine whose cores the
     decode threads fill stalls the step that it preempts.
     """
 
-    def __init__(self, conn, interval: float):
+    def __init__(self, conn, interval: float, clock=time.monotonic):
         self.conn = conn
         self.interval = interval
+        self.clock = clock
         self.held: dict[str, Token] = {}  # id -> its pieces not sent yet, as one
         self.last: dict[str, float] = {}  # id -> time of its last piece
         self.index: dict[str, int] = {}  # id -> index of its next piece
@@ -161,8 +173,8 @@ class Outbox:
                 held.text += event.text
                 held.token_ids.extend(event.token_ids)
                 held.logprobs.extend(event.logprobs)
-            now = time.monotonic()
-            if now - self.last.get(rid, float("-inf")) >= self.interval:
+            now = self.clock()
+            if now - self.last.get(rid, float("-inf")) >= self.hold():
                 self._flush(rid, now)
             return
         self._flush(rid, 0.0)
@@ -173,14 +185,18 @@ class Outbox:
     def tick(self) -> None:
         """Send this step's events, with held pieces that waited long enough (called after
         every decode step and after reading the agent's messages)."""
-        now = time.monotonic()
-        for rid in [r for r in self.held if now - self.last.get(r, 0.0) >= self.interval]:
+        now, hold = self.clock(), self.hold()
+        for rid in [r for r in self.held if now - self.last.get(r, 0.0) >= hold]:
             self._flush(rid, now)
         if len(self.pending) == 1:
             self.conn.send(self.pending[0])
         elif self.pending:
             self.conn.send(Batch(self.pending))
         self.pending = []
+
+    def hold(self) -> float:
+        """How long a stream's pieces wait now: the interval once per stream in flight."""
+        return min(self.interval * max(1, len(self.last)), max(self.interval, MAX_HOLD))
 
     def _flush(self, rid: str, now: float) -> None:
         held = self.held.pop(rid, None)

@@ -162,3 +162,41 @@ def test_keys_seen_lately_work_while_the_database_is_away(alice_key, django_asse
     finally:
         db._unreachable_until = 0.0
     assert services.authenticate_key(alice_key).pk == key.pk
+
+
+def test_a_key_checked_within_the_last_second_costs_no_query(
+    alice_key, clock, django_assert_num_queries, settings
+):
+    """The serving hot path asks the database nothing per request: a key checked less
+    than KEY_CACHE_SECONDS ago is taken as it was. A revocation through this process is
+    refused at once; one made elsewhere (here raw SQL, which sends no signal, as another
+    web process's write would look) once that second has passed."""
+    from django.db import connection
+
+    from apps.accounts import services
+
+    settings.KEY_CACHE_SECONDS = 1.0
+    key = services.authenticate_key(alice_key)
+    with django_assert_num_queries(0):
+        assert services.authenticate_key(alice_key).pk == key.pk
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {ApiKey._meta.db_table} SET revoked_at = %s WHERE id = %s",
+            [key.created_at, key.pk],
+        )
+    assert services.authenticate_key(alice_key) is not None  # another process's change
+    clock.shift(1.5)
+    assert services.authenticate_key(alice_key) is None  # seen within the second
+
+    other = ApiKey.objects.get(pk=key.pk)
+    other.revoked_at = None
+    other.save(update_fields=["revoked_at"])
+    assert services.authenticate_key(alice_key).pk == key.pk
+    services.revoke_key(other)  # through this process: refused at once
+    assert services.authenticate_key(alice_key) is None
+    other.revoked_at = None
+    other.save(update_fields=["revoked_at"])
+    assert services.authenticate_key(alice_key).pk == key.pk
+    other.owner.is_active = False
+    other.owner.save()  # the owner deactivated: at once too
+    assert services.authenticate_key(alice_key) is None
