@@ -188,7 +188,10 @@ class Feed:
                     log.info("console: could not catch a console up (%s)", exc)
 
     async def current(self) -> dict[str, str]:
-        while self._stale:
+        """The snapshot with every change heard so far. A rebuild under way is waited for
+        even when nothing is stale: it began after a change another console heard of, and
+        this console may be hearing of the same one (its id is then not marked again)."""
+        while self._stale or self._building is not None:
             if self._building is None:
                 self._building = asyncio.ensure_future(self._build())
             await asyncio.shield(self._building)

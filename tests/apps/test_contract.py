@@ -12,11 +12,15 @@ import pytest
 import schemathesis
 from django.core.signals import request_finished, request_started
 from django.core.wsgi import get_wsgi_application
-from django.db import close_old_connections
+from django.db import close_old_connections, connection
 from drf_spectacular.generators import SchemaGenerator
 from hypothesis import HealthCheck, seed, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
+
+# On SQLite a test's transaction holds the one write lock until it ends, and the usage
+# writer's own connection would wait for it on every /v1 case: there each test commits.
+pytestmark = pytest.mark.django_db(transaction=connection.vendor == "sqlite")
 
 schema = schemathesis.openapi.from_dict(SchemaGenerator().get_schema(request=None, public=True))
 schema.app = get_wsgi_application()

@@ -37,8 +37,11 @@ from workers.engine.events import Done, Error, Token
 
 #: Same default as llama-cpp-python's Llama(n_batch=512): prompts decode in chunks of this.
 N_BATCH = 512
-#: Prompt tokens one step takes while other sequences share it (see _step_throughput).
-PROMPT_BUDGET = 128
+#: Prompt tokens one step takes while other sequences share it (see _step_throughput): a
+#: running stream waits at most one such chunk for a new prompt. On 2 cores, 64 against 128
+#: gave 8 streams a median first token of 0.82x against 1.04x llama-server's, at the same
+#: throughput (README, "Numbers measured here").
+PROMPT_BUDGET = 64
 #: llama-cpp-python's default window for the repeat penalty.
 PENALTY_LAST_N = 64
 
@@ -633,8 +636,11 @@ class BatchEngine:
         # room for the fillers of idle slots (one token each, see _fill_holes).
         alone = n == 0 and len(reading) == 1
         cap = N_BATCH if alone else min(N_BATCH - self.parallel, n + PROMPT_BUDGET)
-        for seq in reading:
-            k = min(len(seq.prefill) - seq.prefill_pos, cap - n)
+        for i, seq in enumerate(reading):
+            left = len(seq.prefill) - seq.prefill_pos
+            if i and left > cap - n:
+                break  # whole prompts only after the first: a part would give no first token
+            k = min(left, cap - n)
             if k <= 0:
                 break
             take[seq.seq_id] = (seq, k)

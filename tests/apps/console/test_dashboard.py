@@ -100,6 +100,41 @@ async def test_one_change_is_built_once_however_late_each_console_hears_of_it(mo
     assert await feed.current() == {"n": "3"}
 
 
+async def test_a_console_that_hears_of_a_change_during_its_rebuild_waits_for_it(monkeypatch):
+    """A second console hears of a change while the first one's rebuild for it runs: it gets
+    the rebuilt sections, not the ones from before (CI lost this race: two of three consoles
+    never got a new node, and the watch saw nothing to catch up, as the rebuild had counted
+    the version)."""
+    import asyncio
+    import threading
+
+    from apps.console import live, services
+
+    builds, gate = [], threading.Event()
+    gate.set()
+
+    def snapshot():
+        gate.wait(10)
+        builds.append(1)
+        return {"n": len(builds)}
+
+    monkeypatch.setattr(services, "snapshot", snapshot)
+    feed = live.Feed()
+    feed.join()
+    assert await feed.current() == {"n": "1"}
+    gate.clear()
+    feed.changed("change-1")  # the first console hears of it and rebuilds
+    first = asyncio.ensure_future(feed.current())
+    await asyncio.sleep(0.1)
+    feed.changed("change-1")  # the second console hears of the same change meanwhile
+    second = asyncio.ensure_future(feed.current())
+    await asyncio.sleep(0.1)
+    assert not second.done()  # it waits for the rebuild under way
+    gate.set()
+    assert await first == await second == {"n": "2"}
+    assert len(builds) == 2
+
+
 async def test_a_console_that_missed_an_announcement_catches_up(alice, async_client, monkeypatch):
     """The announcement of a change is lost (here: never sent; in CI once, a node shown
     ready for 25 s after it was unreachable): the version in Redis moved, and the Feed's
