@@ -461,10 +461,17 @@ def split(fleet):
 
 
 def stage_server(f: Fleet) -> dict:
-    """The rpc server node-b runs for the split, as its last report says."""
-    [node] = [n for n in f.api("/api/v1/nodes/")["results"] if n["name"] == "node-b"]
-    [server] = [s for s in node["rpc_servers"] if s["running"]]
-    return server
+    """The rpc server node-b runs for the split, as its reports say. The split can be ready
+    before node-b's next report (one a second) lists its server: wait for that report."""
+    found: list[dict] = []
+
+    def listed() -> bool:
+        [node] = [n for n in f.api("/api/v1/nodes/")["results"] if n["name"] == "node-b"]
+        found[:] = [s for s in node["rpc_servers"] if s["running"]]
+        return len(found) == 1
+
+    f.wait(listed, 30, "node-b reporting the split's rpc server")
+    return found[0]
 
 
 def test_kill_a_split_stage(split):
