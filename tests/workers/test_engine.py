@@ -484,6 +484,9 @@ def test_prompts_arriving_together_are_read_in_arrival_order_within_the_budget(s
             for ev in e.step():
                 if isinstance(ev, (Token, Done)):
                     first_step.setdefault(ev.id, step)
+            if step == 1:  # the next prompt is not begun: a part of it gives no first token
+                [nxt] = [q for q in e.active.values() if q.req.request_id == f"s{fits}"]
+                assert nxt.prefill_pos == 0
         assert [i for i in range(7) if first_step[f"s{i}"] == 1] == list(range(fits))
         order = [first_step[f"s{i}"] for i in range(7)]
         assert order == sorted(order)  # arrival order
