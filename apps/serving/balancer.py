@@ -8,7 +8,12 @@ The prefix policy sends a request where its prompt's KV cache already is. A prom
 chain of blocks (each chat message, or 256-character pieces of a raw prompt) and each block
 prefix has a hash; Redis remembers which replica last served each prefix hash. The replica
 holding the longest known prefix wins; a prompt nobody has seen goes by rendezvous hashing
-of its first block, so one system prompt keeps to one replica. Load is bounded: a replica
+of its first hash. Leading system messages have no hash of their own (they are folded into
+the first message after them): a conversation, not its system prompt, is what keeps to one
+replica. Every replica's engine copies a system prompt it holds into any slot, so sending
+all conversations that share one to one replica would save little and crowd that replica's
+slots (16 conversations sharing a system prompt, 2 replicas of 8 slots: the later turns'
+median cached tokens were the system prompt's alone). Load is bounded: a replica
 that would hold more than LOAD_FACTOR times the mean in-flight count, or more than its slots
 while another has one free, is passed over for the least loaded one (a queued request waits
 for a whole generation, which costs more than evaluating a prefix again).
@@ -62,17 +67,23 @@ def prefix_hashes(messages: list[dict], prompt: str) -> list[str]:
     """Hashes of the prompt's block prefixes, shortest first (a chain: each covers all before).
 
     Chat messages are blocks of their own, so a conversation that resends its history
-    shares every earlier hash; a raw prompt is cut into PROMPT_BLOCK-character blocks.
+    shares every earlier hash; leading system messages are folded into the first hash
+    after them (see the module's docstring). A raw prompt is cut into
+    PROMPT_BLOCK-character blocks.
     """
     if messages:
         blocks = [f"{m.get('role', '')}\x00{m.get('content', '')}" for m in messages]
+        lead = next((i for i, m in enumerate(messages) if m.get("role") != "system"), None)
+        skip = len(blocks) - 1 if lead is None else lead
     else:
         blocks = [prompt[i : i + PROMPT_BLOCK] for i in range(0, len(prompt), PROMPT_BLOCK)]
+        skip = 0
     out, h = [], hashlib.blake2b(digest_size=12)
-    for block in blocks[:MAX_BLOCKS]:
+    for i, block in enumerate(blocks[: MAX_BLOCKS + skip]):
         h.update(block.encode("utf-8", "surrogatepass"))
         h.update(b"\x1e")
-        out.append(h.hexdigest())
+        if i >= skip:
+            out.append(h.hexdigest())
     return out
 
 

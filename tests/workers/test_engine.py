@@ -270,6 +270,44 @@ def test_text_does_not_depend_on_what_runs_beside_it(smollm2_path, reference_tex
     assert diverged == []
 
 
+def test_invariant_texts_equal_solo_runs_on_a_model_whose_kernels_depend_on_batch_rows(
+    gemma_path,
+):
+    """gemma-3-270m's weight types go through CPU kernels that sum differently for 8 or
+    more rows than for fewer: with one llama_decode for all 8 slots, 2 of these 16 stories
+    differed from their solo texts. Solo texts come from the same engine, one at a time."""
+    topics = [
+        "a dragon who learns to sail",
+        "a lighthouse keeper and a storm",
+        "a robot that paints the sea",
+        "a city under the ice",
+        "the last train of the night",
+        "a garden on the moon",
+        "a clock that runs backwards",
+        "a cat who runs a bakery",
+    ]
+    prompts = [f"Write a long story about {t}.{x}" for x in ("", " Make it funny.") for t in topics]
+    e = BatchEngine(
+        str(gemma_path), context_length=256, parallel=8, threads=2, batch_invariant=True
+    )
+    try:
+
+        def requests():
+            return [
+                Request(f"p{i}", e.tokenize(p, add_bos=True, special=False), 64, GREEDY)
+                for i, p in enumerate(prompts)
+            ]
+
+        solo = {}
+        for r in requests():
+            solo.update(run(e, [r])[0])
+        together, _, errors = run(e, requests())
+    finally:
+        e.close()
+    assert not errors and len(solo) == len(prompts)
+    assert [k for k in solo if together[k] != solo[k]] == []
+
+
 def test_outbox_sends_the_first_piece_at_once_and_merges_the_rest():
     import time
 

@@ -42,6 +42,12 @@ N_BATCH = 512
 #: gave 8 streams a median first token of 0.82x against 1.04x llama-server's, at the same
 #: throughput (README, "Numbers measured here").
 PROMPT_BUDGET = 64
+#: Decode rows per llama_decode in the invariant mode. The CPU backend multiplies some
+#: weight types with kernels that depend on how many rows a micro-batch has, and their sums
+#: differ in the last bits, which can change a greedy choice: on gemma-3-270m (Q4_K, Q5_0,
+#: Q6_K, Q8_0 weights) 1 to 7 rows gave the same logits as one row alone and 8 or more did
+#: not (2 of 16 stories run 8 at a time then differed from the same stories run alone).
+INVARIANT_ROWS = 4
 #: llama-cpp-python's default window for the repeat penalty.
 PENALTY_LAST_N = 64
 
@@ -175,6 +181,10 @@ class BatchEngine:
             flash_attn = flash_attn or split_mode == L.LLAMA_SPLIT_MODE_TENSOR
         elif n_gpu_layers >= 0:
             mparams.n_gpu_layers = n_gpu_layers
+        if batch_invariant:
+            # No repacked weights: for them the CPU backend has one kernel for a single row
+            # and another for groups of four, whose sums differ in the last bits.
+            mparams.use_extra_bufts = False
         self.model = L.llama_model_load_from_file(model_path.encode(), mparams)
         if not self.model:
             raise EngineError(
@@ -708,12 +718,13 @@ class BatchEngine:
         return fillers
 
     def _step_invariant(self, events: list[Token | Done | Error]) -> None:
-        """One llama_decode with the next token of every decoding sequence, then one with
-        the next prompt chunk of a single waiting sequence. Keeping them apart makes each
-        sequence's numbers those of a solo run (llama.cpp splits a mixed batch into other
-        chunks, and a prompt chunked differently can change a greedy choice), so greedy
-        text does not depend on what else is running."""
-        n = 0
+        """The next token of every decoding sequence, in llama_decode calls of at most
+        INVARIANT_ROWS, then the next prompt chunk of a single waiting sequence in one of its
+        own. Keeping prompts apart makes each sequence's numbers those of a solo run
+        (llama.cpp splits a mixed batch into other chunks, and a prompt chunked differently
+        can change a greedy choice), so greedy text does not depend on what else is running.
+        """
+        rows = []
         for seq in sorted(self.active.values(), key=lambda q: q.seq_id):  # slot order
             seq.batch_index = -1
             if seq.prefill_pos < len(seq.req.prompt_tokens):
@@ -721,20 +732,19 @@ class BatchEngine:
             if seq.prefill_pos < len(seq.prefill):
                 # A resumed token: decoded alone per step, as it was first produced.
                 last = seq.prefill_pos == len(seq.prefill) - 1
-                self._add(n, seq.prefill[seq.prefill_pos], seq.n_past, seq.seq_id, last)
+                rows.append((seq, seq.prefill[seq.prefill_pos], last))
                 seq.prefill_pos += 1
-                if not last:
-                    seq.n_past += 1
-                    n += 1
-                    continue
             else:
-                self._add(n, seq.last_token, seq.n_past, seq.seq_id, True)
-            seq.batch_index = n
-            seq.n_past += 1
-            n += 1
-        if n and not self._decode(n, events):
-            return
-        self._sample(events)
+                rows.append((seq, seq.last_token, True))
+        for i in range(0, len(rows), INVARIANT_ROWS):
+            for n, (seq, token, logits) in enumerate(rows[i : i + INVARIANT_ROWS]):
+                self._add(n, token, seq.n_past, seq.seq_id, logits)
+                if logits:
+                    seq.batch_index = n
+                seq.n_past += 1
+            if not self._decode(n + 1, events):
+                return
+            self._sample(events)
         prompt = next(
             (q for q in self.active.values() if q.prefill_pos < len(q.req.prompt_tokens)), None
         )
