@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO := proto/llamafleet/agent/v1/agent.proto
 
-.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-soak bench-fleet bench-coldstart bench-console llama-server
+.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-batching bench-soak bench-fleet bench-coldstart bench-console llama-server
 
 setup: $(VENV)/.installed
 
@@ -65,6 +65,10 @@ bench-coldstart: setup
 # Needs the test model cache (run `make test` once).
 bench-grammar: setup
 	$(PY) bench/grammar.py
+
+# The batch-invariant mode's cost in the engine alone (needs the test model cache).
+bench-batching: setup
+	$(PY) bench/batching.py
 
 # Database queries of 10 open consoles, idle and with the fleet changing (PostgreSQL with
 # DATABASE_URL, else SQLite).

@@ -7,8 +7,11 @@ request timeout no longer count. Round-robin is one shared counter per model.
 The prefix policy sends a request where its prompt's KV cache already is. A prompt is a
 chain of blocks (each chat message, or 256-character pieces of a raw prompt) and each block
 prefix has a hash; Redis remembers which replica last served each prefix hash. The replica
-holding the longest known prefix wins; a prompt nobody has seen goes by rendezvous hashing
-of its first hash. Leading system messages have no hash of their own (they are folded into
+holding the longest known prefix wins; a prompt nobody has seen goes to the least loaded
+replica (ties by rendezvous hashing of its first hash, the same in every process): no
+replica holds its cache, and conversations spread evenly stay within each replica's slots
+(a replica holding more conversations than slots evicts one prefix for another at every
+turn). Leading system messages have no hash of their own (they are folded into
 the first message after them): a conversation, not its system prompt, is what keeps to one
 replica. Every replica's engine copies a system prompt it holds into any slot, so sending
 all conversations that share one to one replica would save little and crowd that replica's
@@ -19,13 +22,16 @@ while another has one free, is passed over for the least loaded one (a queued re
 for a whole generation, which costs more than evaluating a prefix again).
 
 Each policy costs one Redis round trip before the first token; nothing on the token path
-waits for Redis. When Redis is unreachable, routing falls back to this process's own
-counter rather than refusing to serve.
+waits for Redis. A count is written in the background, so this process adds its own counts
+still on their way to Redis: a burst of requests arriving together is spread, not sent to
+the replica that looked least loaded to all of them. When Redis is unreachable, routing
+falls back to this process's own counter rather than refusing to serve.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import itertools
 import logging
@@ -57,6 +63,8 @@ MAX_BLOCKS = 64
 
 _local_counter = itertools.count()
 _background: set[asyncio.Task] = set()
+#: Request ids this process counted against each replica whose write may not have landed.
+_unwritten: collections.defaultdict[str, set[str]] = collections.defaultdict(set)
 
 
 def _key(replica_id: str) -> str:
@@ -91,9 +99,14 @@ def _prefix_key(deployment: str, digest: str) -> str:
     return redis_key("prefix", deployment, digest)
 
 
-def _rendezvous(targets: list, digest: str):
-    """The target that a hash picks, stable as replicas come and go (highest random weight)."""
-    return max(targets, key=lambda t: hashlib.blake2b(f"{digest}:{t.replica_id}".encode()).digest())
+def _by_rendezvous(targets: list, digest: str) -> list:
+    """Targets in the order a hash ranks them, stable as replicas come and go (highest
+    random weight first)."""
+    return sorted(
+        targets,
+        key=lambda t: hashlib.blake2b(f"{digest}:{t.replica_id}".encode()).digest(),
+        reverse=True,
+    )
 
 
 async def order(targets: list, policy: str, model: str, hashes: list[str] = ()) -> list:
@@ -111,7 +124,13 @@ async def order(targets: list, policy: str, model: str, hashes: list[str] = ()) 
     try:
         # One command, however many replicas: a pipeline of one ZCOUNT per replica costs
         # more in Python than the round trip itself.
-        reply = await _order_script()(keys=keys, args=[floor, len(targets) if counted else 0])
+        # This process's counts that may not be written yet: the script counts those not
+        # in Redis when it runs; ones made while it ran are added to its answer below.
+        sent = {t.replica_id: set(_unwritten.get(t.replica_id, ())) for t in targets}
+        args = [floor, len(targets) if counted else 0]
+        for t in targets if counted else ():
+            args += [len(sent[t.replica_id]), *sent[t.replica_id]]
+        reply = await _order_script()(keys=keys, args=args)
         n = len(targets) if counted else 0
         turn, counts, held = reply[0], reply[1 : 1 + n], reply[1 + n :]
     except (RedisError, OSError) as exc:
@@ -122,17 +141,20 @@ async def order(targets: list, policy: str, model: str, hashes: list[str] = ()) 
     rotated = targets[k:] + targets[:k]
     if not counts:
         return rotated
-    load = {t.replica_id: c for t, c in zip(targets, counts, strict=True)}
+    load = {
+        t.replica_id: c + len(_unwritten.get(t.replica_id, set()) - sent[t.replica_id])
+        for t, c in zip(targets, counts, strict=True)
+    }
     rotated.sort(key=lambda t: load[t.replica_id])  # stable: ties keep round-robin order
     if policy != PREFIX or not hashes:
         return rotated
     by_id = {t.replica_id: t for t in targets}
-    # The replica that served the longest prefix, else the one the first block hashes to.
+    # The replica that served the longest prefix, else the least loaded (ties by hash).
     known = [h.decode() for h in held if h]
     preferred = next((by_id[r] for r in reversed(known) if r in by_id), None)
     hit = preferred is not None
     if preferred is None:
-        preferred = _rendezvous(targets, hashes[0])
+        preferred = min(_by_rendezvous(targets, hashes[0]), key=lambda t: load[t.replica_id])
     # Bounded load: with this request, no replica may hold more than LOAD_FACTOR times the
     # mean (rounded up); the least loaded replica is always within bounds.
     bound = math.ceil(LOAD_FACTOR * (sum(load.values()) + 1) / len(targets))
@@ -146,11 +168,22 @@ async def order(targets: list, policy: str, model: str, hashes: list[str] = ()) 
 
 
 #: KEYS: the round-robin counter, then N in-flight sets, then prefix keys; ARGV: the floor of
-#: live entries, N. Returns the counter, N counts, then the prefix holders (nil if unknown).
+#: live entries, N, then per set the number of this process's ids that may not have been
+#: written yet and those ids (each counts unless the set already has it). Returns the
+#: counter, N counts, then the prefix holders (nil if unknown).
 _ORDER_SCRIPT = """
 local n = tonumber(ARGV[2])
 local out = {redis.call('INCR', KEYS[1])}
-for i = 2, n + 1 do out[#out + 1] = redis.call('ZCOUNT', KEYS[i], ARGV[1], '+inf') end
+local a = 3
+for i = 2, n + 1 do
+  local c = redis.call('ZCOUNT', KEYS[i], ARGV[1], '+inf')
+  local k = tonumber(ARGV[a])
+  for j = a + 1, a + k do
+    if not redis.call('ZSCORE', KEYS[i], ARGV[j]) then c = c + 1 end
+  end
+  a = a + k + 1
+  out[#out + 1] = c
+end
 for i = n + 2, #KEYS do out[#out + 1] = redis.call('GET', KEYS[i]) end
 return out
 """
@@ -217,6 +250,13 @@ def acquire(replica_id: str, request_id: str) -> None:
             await pipe.execute()
         except (RedisError, OSError) as exc:
             log.warning("could not count a request in Redis: %s", exc)
+        finally:
+            pending = _unwritten[replica_id]
+            pending.discard(request_id)
+            if not pending:
+                del _unwritten[replica_id]
+
+    _unwritten[replica_id].add(request_id)
 
     key = (replica_id, request_id)
     task = _spawn(_acquire())
