@@ -18,26 +18,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
+from serving import TOPICS  # noqa: E402  (the serving bench's stories)
+
 from tests.conftest import cached_model  # noqa: E402
 from workers.engine.core import BatchEngine, Request, Sampling  # noqa: E402
 from workers.engine.events import Done  # noqa: E402
 
 MODELS = ("smollm2-135m-instruct", "gemma-3-270m")
 ROUNDS, TOKENS, SLOTS = 3, 128, 8
-TOPICS = [
-    "a dragon who learns to sail",
-    "a lighthouse keeper and a storm",
-    "a robot that paints the sea",
-    "a city under the ice",
-    "the last train of the night",
-    "a garden on the moon",
-    "a clock that runs backwards",
-    "a cat who runs a bakery",
-]
 
 
 def one_round(engine: BatchEngine, r: int) -> float:
-    for i, topic in enumerate(TOPICS):
+    for i, topic in enumerate(TOPICS[:SLOTS]):
         text = f"Write a long story about {topic}. ({r})"
         tokens = engine.tokenize(text, add_bos=True, special=False)
         engine.submit(Request(f"{r}.{i}", tokens, TOKENS, Sampling(temperature=0)))

@@ -14,9 +14,8 @@ replica holds its cache, and conversations spread evenly stay within each replic
 turn). Leading system messages have no hash of their own (they are folded into
 the first message after them): a conversation, not its system prompt, is what keeps to one
 replica. Every replica's engine copies a system prompt it holds into any slot, so sending
-all conversations that share one to one replica would save little and crowd that replica's
-slots (16 conversations sharing a system prompt, 2 replicas of 8 slots: the later turns'
-median cached tokens were the system prompt's alone). Load is bounded: a replica
+all conversations that share one to one replica would save one evaluation of it and crowd
+that replica's slots. Load is bounded: a replica
 that would hold more than LOAD_FACTOR times the mean in-flight count, or more than its slots
 while another has one free, is passed over for the least loaded one (a queued request waits
 for a whole generation, which costs more than evaluating a prefix again).

@@ -72,6 +72,19 @@ def run(engine, requests, cancel_after=None, collect_logprobs=False):
 
 
 GREEDY = Sampling(temperature=0)
+#: Story subjects for tests that run many prompts at once.
+STORY_TOPICS = [
+    "a dragon who learns to sail",
+    "a lighthouse keeper and a storm",
+    "a robot that paints the sea",
+    "a city under the ice",
+    "the last train of the night",
+    "a garden on the moon",
+    "a clock that runs backwards",
+    "a cat who runs a bakery",
+    "a map of forgotten islands",
+    "a violin found in an attic",
+]
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
     [{"role": "user", "content": "Name three colours."}],
@@ -240,22 +253,10 @@ def test_resumed_generation_resends_text_held_back_for_a_stop_string(engine):
 
 def test_text_does_not_depend_on_what_runs_beside_it(smollm2_path, reference_text):
     """More prompts than slots, joining while others decode: every text is its solo text."""
-    topics = [
-        "a dragon who learns to sail",
-        "a lighthouse keeper and a storm",
-        "a robot that paints the sea",
-        "a city under the ice",
-        "the last train of the night",
-        "a garden on the moon",
-        "a clock that runs backwards",
-        "a cat who runs a bakery",
-        "a map of forgotten islands",
-        "a violin found in an attic",
-    ]
     prompts = [
         [{"role": "user", "content": f"Write a long story about {t}.{extra}"}]
         for extra in ("", " Make it funny.")
-        for t in topics
+        for t in STORY_TOPICS
     ]
     e = BatchEngine(
         str(smollm2_path), context_length=2048, parallel=8, threads=2, batch_invariant=True
@@ -276,17 +277,11 @@ def test_invariant_texts_equal_solo_runs_on_a_model_whose_kernels_depend_on_batc
     """gemma-3-270m's weight types go through CPU kernels that sum differently for 8 or
     more rows than for fewer: with one llama_decode for all 8 slots, 2 of these 16 stories
     differed from their solo texts. Solo texts come from the same engine, one at a time."""
-    topics = [
-        "a dragon who learns to sail",
-        "a lighthouse keeper and a storm",
-        "a robot that paints the sea",
-        "a city under the ice",
-        "the last train of the night",
-        "a garden on the moon",
-        "a clock that runs backwards",
-        "a cat who runs a bakery",
+    prompts = [
+        f"Write a long story about {t}.{x}"
+        for x in ("", " Make it funny.")
+        for t in STORY_TOPICS[:8]
     ]
-    prompts = [f"Write a long story about {t}.{x}" for x in ("", " Make it funny.") for t in topics]
     e = BatchEngine(
         str(gemma_path), context_length=256, parallel=8, threads=2, batch_invariant=True
     )

@@ -64,7 +64,7 @@ async def test_a_prompt_no_replica_holds_goes_to_the_least_loaded_one():
         assert (await balancer.order(targets, balancer.PREFIX, "m", hashes))[0] is hashed
         # Once a replica has served the prefix, it is preferred over an idle one.
         balancer.remember(targets[0].deployment, hashes, order[0].replica_id)
-        await asyncio.sleep(0.1)  # the background write
+        await asyncio.wait(set(balancer._background))  # the background write
         await client.zadd(balancer._key(order[0].replica_id), {"busy": time.time()})
         assert (await balancer.order(targets, balancer.PREFIX, "m", hashes))[0] is order[0]
     finally:
