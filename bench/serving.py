@@ -334,7 +334,13 @@ def med(values) -> float:
 
 
 def ratios(fleet: dict, server: dict) -> dict:
-    return {k: fleet[k] / server[k] for k in fleet if k in server and server[k]}
+    return {
+        k: fleet[k] / server[k]
+        for k in fleet
+        if isinstance(fleet[k], (int, float))
+        and isinstance(server.get(k), (int, float))
+        and server[k]
+    }
 
 
 def alternate(targets: list[Target], r: int) -> list[Target]:
@@ -454,17 +460,21 @@ def set_policy(deployment: str, policy: str) -> None:
 async def routing(fleet: Target, key: str, deployment: str, rounds: int) -> dict:
     """16 conversations over two replicas, all at once, users pausing between turns, under
     each policy in turn (the same pauses for both): with a system prompt of their own each
-    (16 applications), and with one shared by all."""
+    (16 applications), and with one shared by all. Beside the medians it records what
+    explains them: the prompt tokens each turn evaluated (not from the cache), TTFT
+    quartiles, and the prefix policy's decisions (from the web process's metrics)."""
     api("POST", f"/api/v1/deployments/{deployment}/scale/", key, json={"replicas": 2})
     wait_replicas(key, 2, deployment)
     out = {"rounds": rounds, "conversations": 16, "turns": 5, "replicas": 2}
     policies = ("least_connections", "prefix")
     async with http_client(600) as client:
         for workload in ("distinct_system_prompts", "shared_system_prompt"):
-            rows = {p: {"later": [], "tps": [], "cached": []} for p in policies}
+            rows = {p: {"later": [], "tps": [], "cached": [], "evaluated": []} for p in policies}
+            decisions = {}
             for r in range(rounds):
                 for policy in policies if r % 2 == 0 else policies[::-1]:
                     set_policy(deployment, policy)
+                    before = await routing_decisions(key)
                     t0 = time.perf_counter()
                     convs = await asyncio.gather(
                         *(
@@ -487,13 +497,27 @@ async def routing(fleet: Target, key: str, deployment: str, rounds: int) -> dict
                     rows[policy]["tps"].append(sum(x["tokens"] for x in turns) / wall)
                     rows[policy]["later"].extend(x["ttft"] for c in convs for x in c[1:])
                     rows[policy]["cached"].extend(x["cached_tokens"] for c in convs for x in c[1:])
+                    rows[policy]["evaluated"].extend(
+                        x["prompt_tokens"] - x["cached_tokens"] for c in convs for x in c[1:]
+                    )
+                    after = await routing_decisions(key)
+                    if policy == "prefix":
+                        for d, v in after.items():
+                            decisions[d] = decisions.get(d, 0) + v - before.get(d, 0)
             res = {}
             for policy, v in rows.items():
                 res[policy] = {
                     "later_turns_median_ttft_ms": 1000 * med(v["later"]),
                     "aggregate_tokens_per_s": med(v["tps"]),
                     "later_turns_median_cached_tokens": med(v["cached"]),
+                    # Prompt tokens the engine evaluated (not from its cache), and TTFT
+                    # quartiles: where the time goes.
+                    "later_turns_median_evaluated_tokens": med(v["evaluated"]),
+                    "later_turns_ttft_quartiles_ms": [
+                        1000 * q for q in statistics.quantiles(v["later"], n=4)
+                    ],
                 }
+            res["prefix_decisions"] = decisions
             res["prefix_over_least_connections"] = ratios(res["prefix"], res["least_connections"])
             out[workload] = res
             print(json.dumps({workload: res}, indent=2), flush=True)
@@ -577,6 +601,17 @@ def reported_replica(key: str, deployment: str, timeout: float = 30) -> dict:
                     return r
         time.sleep(0.5)
     raise SystemExit(f"no agent reports a ready replica of {deployment}")
+
+
+async def routing_decisions(key: str) -> dict[str, float]:
+    """The web process's prefix-policy decisions so far, by decision."""
+    async with httpx.AsyncClient() as client:
+        resp = await client.get(URL + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    out = {}
+    for line in resp.text.splitlines():
+        if line.startswith("llamafleet_prefix_routing_total{"):
+            out[line.split('decision="')[1].split('"')[0]] = float(line.split()[-1])
+    return out
 
 
 async def metric_sum(key: str, name: str) -> float:
