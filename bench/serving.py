@@ -474,7 +474,7 @@ async def routing(fleet: Target, key: str, deployment: str, rounds: int) -> dict
             for r in range(rounds):
                 for policy in policies if r % 2 == 0 else policies[::-1]:
                     set_policy(deployment, policy)
-                    before = await routing_decisions(key)
+                    before = await routing_decisions(key) if policy == "prefix" else {}
                     t0 = time.perf_counter()
                     convs = await asyncio.gather(
                         *(
@@ -500,9 +500,8 @@ async def routing(fleet: Target, key: str, deployment: str, rounds: int) -> dict
                     rows[policy]["evaluated"].extend(
                         x["prompt_tokens"] - x["cached_tokens"] for c in convs for x in c[1:]
                     )
-                    after = await routing_decisions(key)
                     if policy == "prefix":
-                        for d, v in after.items():
+                        for d, v in (await routing_decisions(key)).items():
                             decisions[d] = decisions.get(d, 0) + v - before.get(d, 0)
             res = {}
             for policy, v in rows.items():
@@ -603,21 +602,21 @@ def reported_replica(key: str, deployment: str, timeout: float = 30) -> dict:
     raise SystemExit(f"no agent reports a ready replica of {deployment}")
 
 
-async def routing_decisions(key: str) -> dict[str, float]:
-    """The web process's prefix-policy decisions so far, by decision."""
+async def metric_lines(key: str, name: str) -> list[str]:
+    """The web process's Prometheus sample lines of one metric."""
     async with httpx.AsyncClient() as client:
         resp = await client.get(URL + "/metrics", headers={"Authorization": f"Bearer {key}"})
-    out = {}
-    for line in resp.text.splitlines():
-        if line.startswith("llamafleet_prefix_routing_total{"):
-            out[line.split('decision="')[1].split('"')[0]] = float(line.split()[-1])
-    return out
+    return [line for line in resp.text.splitlines() if line.startswith(name)]
+
+
+async def routing_decisions(key: str) -> dict[str, float]:
+    """The prefix policy's decisions so far, by decision."""
+    lines = await metric_lines(key, "llamafleet_prefix_routing_total{")
+    return {line.split('decision="')[1].split('"')[0]: float(line.split()[-1]) for line in lines}
 
 
 async def metric_sum(key: str, name: str) -> float:
-    async with httpx.AsyncClient() as client:
-        resp = await client.get(URL + "/metrics", headers={"Authorization": f"Bearer {key}"})
-    return sum(float(line.split()[-1]) for line in resp.text.splitlines() if line.startswith(name))
+    return sum(float(line.split()[-1]) for line in await metric_lines(key, name))
 
 
 async def compare(args, model_path: Path, catalog_name: str, only) -> dict:
