@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO := proto/llamafleet/agent/v1/agent.proto
 
-.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-batching bench-soak bench-fleet bench-coldstart bench-console llama-server
+.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-batching bench-cores bench-soak bench-fleet bench-coldstart bench-console llama-server
 
 setup: $(VENV)/.installed
 
@@ -69,6 +69,10 @@ bench-grammar: setup
 # The batch-invariant mode's cost in the engine alone (needs the test model cache).
 bench-batching: setup
 	$(PY) bench/batching.py
+
+# Two replicas on one agent: threads shared among busy engines against fixed counts.
+bench-cores: setup
+	$(PY) bench/cores.py
 
 # Database queries of 10 open consoles, idle and with the fleet changing (PostgreSQL with
 # DATABASE_URL, else SQLite).

@@ -20,9 +20,9 @@ llama-server's figure from the same run:
 - LlamaFleet only: 20 streams over 2 replicas, one engine SIGKILLed mid-flight, in the
   default (throughput) mode and in the batch-invariant mode.
 
-The two-replica parts run on a restarted stack whose agent gives each engine one thread:
-two engines with two OpenMP threads each on two cores spin at every barrier and decode at a
-small fraction of their speed.
+The two-replica parts run on a restarted stack with the agent's default threads (all
+cores): the agent divides them among the engines generating at the moment (one each while
+both are busy; two engines of all cores each would spin at every barrier).
 
 Writes bench/results/serving.json (or serving-<model>.json). Usage:
   .venv/bin/python bench/serving.py [--rounds 5] [--model smollm2|gemma] [--only a,b]
@@ -35,6 +35,7 @@ import asyncio
 import json
 import os
 import random
+import resource
 import signal
 import statistics
 import subprocess
@@ -256,11 +257,77 @@ class LlamaServer:
 
 
 class Target:
-    """Where requests go: LlamaFleet's OpenAI API or llama-server's."""
+    """Where requests go: LlamaFleet's OpenAI API or llama-server's. processes: the pids
+    that serve it, by part (see cpu_seconds)."""
 
-    def __init__(self, name: str, url: str, model: str, key: str = ""):
+    def __init__(self, name: str, url: str, model: str, key: str = "", processes=None):
         self.name, self.url, self.model = name, url, model
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.processes = processes or (lambda: {})
+
+
+# ---- where the CPU goes ----------------------------------------------------------------
+
+
+def process_table() -> dict[int, tuple[int, str, float]]:
+    """pid -> (parent pid, command name, CPU seconds used so far) of every process."""
+    tick = os.sysconf("SC_CLK_TCK")
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        comm, rest = raw[raw.index("(") + 1 : raw.rindex(")")], raw[raw.rindex(")") + 2 :]
+        f = rest.split()  # state, ppid, ..., utime (index 11), stime (12)
+        table[int(entry)] = (int(f[1]), comm, (int(f[11]) + int(f[12])) / tick)
+    return table
+
+
+def cpu_seconds(parts: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds used so far by each part: its processes and their descendants (a part's
+    descendants claimed by another part count there, so the agent's engine child is a part
+    of its own); "redis" is every redis-server on the machine, "client" this process."""
+    table = process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    claimed = {pid for pids in parts.values() for pid in pids}
+    out = {}
+    for name, roots in parts.items():
+        todo, total = list(roots), 0.0
+        while todo:
+            pid = todo.pop()
+            if pid in table:
+                total += table[pid][2]
+                todo.extend(c for c in children.get(pid, []) if c not in claimed)
+        out[name] = total
+    out["redis"] = sum(v[2] for v in table.values() if v[1] == "redis-server")
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["client"] = usage.ru_utime + usage.ru_stime
+    # What the whole machine spent (user, nice, system, irq, softirq, steal): what is left
+    # after the parts above is everything else running here.
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    busy = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")
+    out["other"] = busy - sum(out.values())
+    return out
+
+
+def fleet_processes() -> dict[str, list[int]]:
+    """The bench stack's processes by part: the engine is the agent's child."""
+    run = VAR / "run"
+    pid = {p.stem: int(p.read_text()) for p in run.glob("*.pid")}
+    table = process_table()
+    agent = pid.get("agent")
+    engines = [p for p, (ppid, _, _) in table.items() if agent and ppid == agent]
+    return {
+        "engine": engines,
+        "agent": [agent] if agent else [],
+        "web": [pid["web"]] if "web" in pid else [],
+        "celery": [pid[n] for n in ("worker", "beat") if n in pid],
+    }
 
 
 async def chat(
@@ -377,25 +444,44 @@ async def single_stream(targets: list[Target], rounds: int, tokens: int) -> dict
 
 
 async def concurrent(targets: list[Target], rounds: int, tokens: int, n: int = 8) -> dict:
+    """Aggregate tokens/s and median TTFT of n streams at once; beside them, the CPU seconds
+    each part of each target spent per 1,000 tokens over those rounds (where a gap goes)."""
     rows = {t.name: {"aggregate": [], "ttft": [], "single": []} for t in targets}
+    cpu = {t.name: {} for t in targets}
+    totals = {t.name: [0, 0.0] for t in targets}  # tokens, wall seconds
     async with http_client() as client:
         for r in range(rounds):
             for t in alternate(targets, r):
                 one = await chat(client, t, story(9, f"one {r}"), tokens)
                 rows[t.name]["single"].append(one["tokens"] / (one["end"] - one["start"]))
+                parts = t.processes()
+                before = cpu_seconds(parts)
                 t0 = time.perf_counter()
                 many = await asyncio.gather(
                     *(chat(client, t, story(i, f"round {r}"), tokens) for i in range(n))
                 )
                 wall = time.perf_counter() - t0
+                after = cpu_seconds(parts)
+                for part in after:
+                    cpu[t.name][part] = cpu[t.name].get(part, 0.0) + after[part] - before[part]
+                totals[t.name][0] += sum(x["tokens"] for x in many)
+                totals[t.name][1] += wall
                 rows[t.name]["aggregate"].append(sum(x["tokens"] for x in many) / wall)
                 rows[t.name]["ttft"].append(med(x["ttft"] for x in many))
     out = {"rounds": rounds, "streams": n, "max_tokens": tokens}
     for name, v in rows.items():
+        n_tokens, wall = totals[name]
         out[name] = {
             "aggregate_tokens_per_s": med(v["aggregate"]),
             "median_ttft_ms": 1000 * med(v["ttft"]),
             "one_stream_tokens_per_s": med(v["single"]),
+            "cpu_seconds_per_1k_tokens": {
+                part: round(1000 * sec / n_tokens, 3) for part, sec in cpu[name].items()
+            },
+            "cores_busy": round(sum(cpu[name].values()) / wall, 3),
+            "cores_busy_serving": round(
+                sum(v for k, v in cpu[name].items() if k not in ("client", "other")) / wall, 3
+            ),
         }
         out[name]["scaling"] = (
             out[name]["aggregate_tokens_per_s"] / out[name]["one_stream_tokens_per_s"]
@@ -623,7 +709,7 @@ async def compare(args, model_path: Path, catalog_name: str, only) -> dict:
     """The figures against llama-server, one replica with all cores against it."""
     key = bench_key()
     wait_replicas(key, 1, catalog_name)
-    fleet = Target("llamafleet", URL, catalog_name, key)
+    fleet = Target("llamafleet", URL, catalog_name, key, fleet_processes)
     server = Target("llama_server", SERVER_URL, catalog_name)
     result = {
         "model": catalog_name,
@@ -640,6 +726,7 @@ async def compare(args, model_path: Path, catalog_name: str, only) -> dict:
         print(json.dumps({name: result[name]}, indent=2), flush=True)
 
     ls = LlamaServer(model_path, MODELS_BY_CATALOG[catalog_name][1])
+    server.processes = lambda: {"llama_server": [ls.proc.pid]}
     try:
         for name, run in (
             ("single_stream", lambda: single_stream([fleet, server], args.rounds, args.tokens)),
@@ -655,7 +742,7 @@ async def compare(args, model_path: Path, catalog_name: str, only) -> dict:
 
 
 async def two_replicas(args, catalog_name: str, only) -> dict:
-    """Routing and failover over two replicas of one thread each."""
+    """Routing and failover over two replicas on one agent, sharing its cores."""
     key = bench_key()
     wait_replicas(key, 1, catalog_name)
     fleet = Target("llamafleet", URL, catalog_name, key)
@@ -706,10 +793,9 @@ def main() -> None:
             model_path = start_stack(catalog_name)
             result.update(asyncio.run(compare(args, model_path, catalog_name, only)))
         if only is None or only & {"routing", "failover"}:
-            ENV["LLAMAFLEET_AGENT_THREADS"] = "1"
             start_stack(catalog_name)
             result.update(asyncio.run(two_replicas(args, catalog_name, only)))
-            result["two_replica_threads_per_engine"] = 1
+            result["two_replica_threads"] = "shared by the agent among busy engines"
     finally:
         if not args.keep:
             stack("down")
@@ -721,6 +807,8 @@ def main() -> None:
             part["measured_at"] = stamp
     if args.only and out.exists():  # a part measured again replaces its old figures
         result = json.loads(out.read_text()) | result
+        if "two_replica_threads" in result:  # the older runs' fixed one thread an engine
+            result.pop("two_replica_threads_per_engine", None)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

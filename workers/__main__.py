@@ -59,7 +59,8 @@ def _agent_options(a: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=int(_env("LLAMAFLEET_AGENT_THREADS", "0")),
-        help="decode threads per engine, 0 for all cores (LLAMAFLEET_AGENT_THREADS)",
+        help="decode threads of this node, 0 for all cores, divided among the engines "
+        "generating at the moment (LLAMAFLEET_AGENT_THREADS)",
     )
     a.add_argument(
         "--heartbeat",

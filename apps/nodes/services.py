@@ -60,6 +60,7 @@ def _parse(payload: dict) -> tuple[str, dict, list[dict], str]:
             "memory_bytes": r.memory_bytes,
             "in_flight": r.in_flight,
             "pid": r.pid,
+            "threads": r.threads,
         }
         for r in status.replicas
     ]

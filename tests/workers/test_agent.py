@@ -221,3 +221,48 @@ def test_metrics_need_the_node_token_and_describe_replicas(model_store):
         channel.close()
     finally:
         running.close()
+
+
+def test_busy_engines_share_the_agents_cores_and_one_alone_takes_them_all(agent, stub):
+    """Two replicas on one agent of 2 threads: each decodes with both while the other is
+    idle, with one each while both generate (all cores each oversubscribe the machine), and
+    the one left running gets both back when the other ends. A deployment that set its own
+    count keeps it, and it comes off what the others share."""
+
+    def threads() -> dict[str, int]:
+        status = stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH)
+        return {r.replica_id: r.threads for r in status.replicas}
+
+    long = [{"role": "user", "content": "Write a very long story about the sea."}]
+    for rid in ("r1", "r2"):
+        assert load(stub, rid, parallel=1).state == pb.REPLICA_STATE_READY
+    assert threads() == {"r1": 2, "r2": 2}
+    first = stub.RunInference(chat("r1", long, max_tokens=400), metadata=AUTH)
+    next(first)
+    assert threads() == {"r1": 2, "r2": 2}  # r2 is idle: it takes no share
+    second = stub.RunInference(chat("r2", long, max_tokens=400), metadata=AUTH)
+    next(second)
+    assert threads() == {"r1": 1, "r2": 1}
+    first.cancel()
+    wait_for(lambda: threads() == {"r1": 1, "r2": 2}, timeout=10, interval=0.05)
+    # The engine of r2 still streams, now with both threads.
+    assert next(second).text is not None
+    second.cancel()
+
+    pinned = stub.LoadModel(
+        pb.LoadModelRequest(
+            replica_id="r3", model_name="smollm2", sha256=SHA, context_length=512, parallel=1,
+            threads=1,
+        ),
+        metadata=AUTH,
+        timeout=120,
+    )  # fmt: skip
+    assert pinned.state == pb.REPLICA_STATE_READY
+    wait_for(lambda: agent.agent.service.replicas["r2"].engine.generating == 0, timeout=10)
+    third = stub.RunInference(chat("r3", long, max_tokens=400), metadata=AUTH)
+    next(third)
+    again = stub.RunInference(chat("r1", long, max_tokens=400), metadata=AUTH)
+    next(again)
+    assert threads()["r3"] == 1 and threads()["r1"] == 1  # 2 cores, 1 of them pinned to r3
+    third.cancel()
+    again.cancel()

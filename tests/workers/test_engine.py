@@ -105,6 +105,27 @@ def test_greedy_text_equals_llama_in_process(mode, request, reference_text):
     assert done["a"].usage["prompt_tokens"] == len(chat_tokens(engine))
 
 
+def test_the_thread_count_changes_between_steps_and_the_text_does_not(invariant, reference_text):
+    """The agent moves threads between engines as they get busy (service._share_cores):
+    llama.cpp takes the new count at the next decode, and a greedy text is the same."""
+    engine = invariant
+    try:
+        engine.set_threads(1)
+        assert engine.decode_threads() == 1
+        req = Request("t1", chat_tokens(engine), 48, GREEDY)
+        engine.submit(req)
+        texts = ""
+        while not engine.idle():
+            for ev in engine.step():
+                if isinstance(ev, Token):
+                    texts += ev.text
+                    engine.set_threads(3 - engine.decode_threads())  # 1, 2, 1, ... mid-run
+        assert texts == reference_text(CHAT, 48)
+    finally:
+        engine.set_threads(2)
+    assert engine.decode_threads() == 2
+
+
 def test_concurrent_sequences_each_equal_their_solo_run(invariant, reference_text):
     # More requests than slots: the extra ones wait and join between steps.
     engine = invariant

@@ -87,7 +87,7 @@ class AgentMetrics:
 
 
 class _ReplicaCollector:
-    """In-flight, queued, memory and state of each replica, as they are now."""
+    """In-flight, queued, memory, state and threads of each replica, as they are now."""
 
     def __init__(self, service):
         self.service = service
@@ -114,6 +114,12 @@ class _ReplicaCollector:
             "1 when the replica serves, 0 otherwise.",
             labels=["replica", "model"],
         )
+        threads = GaugeMetricFamily(
+            "llamafleet_agent_replica_threads",
+            "Threads the replica's engine decodes with (the agent divides its cores among "
+            "busy engines).",
+            labels=["replica", "model"],
+        )
         for r in list(self.service.replicas.values()):
             labels = [r.replica_id, r.model_name]
             e = r.engine
@@ -121,7 +127,8 @@ class _ReplicaCollector:
             queued.add_metric(labels, max(e.in_flight - e.config.parallel, 0))
             memory.add_metric(labels, e.memory_bytes())
             ready.add_metric(labels, 1 if e.state == "ready" else 0)
-        yield from (in_flight, queued, memory, ready)
+            threads.add_metric(labels, e.threads)
+        yield from (in_flight, queued, memory, ready, threads)
 
 
 class MetricsServer:

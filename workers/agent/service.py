@@ -68,6 +68,8 @@ class Replica:
         self.replica_id = request.replica_id
         self.model_name = request.model_name
         self.engine = engine
+        #: The agent chose its threads (the deployment set none): they follow the load.
+        self.shares_cores = not request.threads
         self.loaded = asyncio.Event()
         self.load_seconds = 0.0
 
@@ -83,6 +85,7 @@ class Replica:
             pid=e.pid,
             context_length=e.config.context_length,
             parallel=e.config.parallel,
+            threads=e.threads,
         )
 
 
@@ -157,7 +160,11 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             tensor_split=list(request.tensor_split),
             batch_invariant=request.batch_invariant,
         )
-        engine = EngineProcess(config, on_state_change=lambda _e: self._on_change())
+        engine = EngineProcess(
+            config,
+            on_state_change=lambda _e: self._on_change(),
+            on_busy_change=lambda _e: self._share_cores(),
+        )
         replica = Replica(request, engine)
         self.replicas[request.replica_id] = replica
         try:
@@ -177,6 +184,25 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             replica.load_seconds = time.monotonic() - started
             replica.loaded.set()
         return self._load_response(replica)
+
+    def _share_cores(self) -> None:
+        """Divide the node's threads among the engines generating now, each time one starts
+        or stops: an engine alone decodes with all of them, and two busy ones no longer
+        oversubscribe the cores (their OpenMP threads spin at every barrier, and two SmolLM2
+        replicas with all cores each decoded at a third of their speed with one each). An
+        idle engine takes no share; it gets one before its first request is sent. Engines
+        whose deployment set a thread count keep it, and it is taken off the shared budget
+        while they are busy."""
+        busy = [
+            r for r in self.replicas.values() if r.engine.state == "ready" and r.engine.generating
+        ]
+        shared = [r.engine for r in busy if r.shares_cores]
+        if not shared:
+            return
+        budget = self.threads - sum(r.engine.threads for r in busy if not r.shares_cores)
+        each, extra = divmod(max(budget, len(shared)), len(shared))
+        for i, engine in enumerate(shared):
+            engine.set_threads(each + (1 if i < extra else 0))
 
     async def FreeMemory(self, request, context):
         replica = self.replicas.pop(request.replica_id, None)

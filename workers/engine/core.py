@@ -398,6 +398,15 @@ class BatchEngine:
     def idle(self) -> bool:
         return not self.active and not self.waiting
 
+    def set_threads(self, n: int) -> None:
+        """Decode with n threads from the next llama_decode on (llama.cpp takes the count at
+        each graph computation, so nothing is reloaded)."""
+        n = max(1, int(n))
+        L.llama_set_n_threads(self.ctx, n, n)
+
+    def decode_threads(self) -> int:
+        return L.llama_n_threads(self.ctx)
+
     def in_flight(self) -> int:
         return len(self.active) + len(self.waiting)
 

@@ -1,7 +1,7 @@
 """What the agent and an engine process say to each other over their pipe.
 
 Small picklable records, matched by type (`match msg: case Token(): ...`), never read by
-position. Agent -> engine: Generate, Cancel, Tokenize, Embed, Shutdown. Engine -> agent:
+position. Agent -> engine: Generate, Cancel, Tokenize, Embed, Threads, Shutdown. Engine -> agent:
 Ready or LoadError once, then Token, Done and Error events of generations (one Batch per
 decode step carries that step's events together), Tokens and Embeddings answers.
 """
@@ -34,6 +34,14 @@ class Tokenize:
 class Embed:
     id: str
     texts: list[str]
+
+
+@dataclass(slots=True)
+class Threads:
+    """Decode with n threads from the next step on (the agent shares its cores among the
+    engines that are busy)."""
+
+    n: int
 
 
 @dataclass(slots=True)

@@ -32,6 +32,7 @@ from workers.engine.events import (
     LoadError,
     Ready,
     Shutdown,
+    Threads,
     Token,
     Tokenize,
     Tokens,
@@ -332,6 +333,8 @@ def _handle(msg, engine, formatter, conn, out: Outbox) -> bool:
                 conn.send(Embeddings(cid, vectors, n_tokens))
             except EngineError as exc:
                 conn.send(Error(cid, exc.code, exc.message))
+        case Threads(n=n):
+            engine.set_threads(n)
         case Shutdown():
             return False
     return True
@@ -361,12 +364,19 @@ class EngineProcess:
         self,
         config: EngineConfig,
         on_state_change: Callable[[EngineProcess], None] | None = None,
+        on_busy_change: Callable[[EngineProcess], None] | None = None,
     ):
+        """on_busy_change is called when the engine starts generating after being idle and
+        when its last generation ends, before the first one is sent (see set_threads)."""
         self.config = config
         self.state = "loading"
         self.error = ""
         self.info: dict = {}
+        #: Threads the engine decodes with: the config's until set_threads changes it.
+        self.threads = config.threads
+        self.generating = 0  # generations in flight (not tokenize or embed calls)
         self._on_state_change = on_state_change
+        self._on_busy_change = on_busy_change
         self._streams: dict[str, asyncio.Queue] = {}
         self._ready: asyncio.Future | None = None
         self._proc = None
@@ -479,6 +489,20 @@ class EngineProcess:
         # Only coroutines on the agent's loop send, so sends never interleave.
         self._conn.send(msg)
 
+    def set_threads(self, n: int) -> None:
+        """Decode with n threads from the engine's next step on."""
+        if n != self.threads and self.state == "ready":
+            self.threads = n
+            try:
+                self._send(Threads(n))
+            except OSError:  # the process is gone; _on_gone says so
+                pass
+
+    def _busy(self, delta: int) -> None:
+        self.generating += delta
+        if self._on_busy_change is not None and self.generating == (1 if delta > 0 else 0):
+            self._on_busy_change(self)
+
     def _require_ready(self) -> None:
         if self.state != "ready":
             raise EngineError(
@@ -494,6 +518,7 @@ class EngineProcess:
         self._streams[rid] = queue
         finished = False
         remaining = int(payload.get("n") or 1)
+        self._busy(+1)  # a thread count set now reaches the engine before this request
         try:
             self._send(Generate(rid, payload))
             while True:
@@ -517,6 +542,7 @@ class EngineProcess:
                     self._send(Cancel(rid))
                 except OSError:
                     pass
+            self._busy(-1)
 
     async def tokenize(self, payload: dict) -> tuple[list[int], int]:
         msg = await self._ask(Tokenize(f"q{next(_ids)}", payload))

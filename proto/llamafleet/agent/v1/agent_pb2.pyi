@@ -424,7 +424,7 @@ class GetRequestUsageResponse(_message.Message):
     def __init__(self, usage: _Optional[_Iterable[_Union[RequestUsage, _Mapping]]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "model_name", "state", "error", "memory_bytes", "in_flight", "pid", "context_length", "parallel")
+    __slots__ = ("replica_id", "model_name", "state", "error", "memory_bytes", "in_flight", "pid", "context_length", "parallel", "threads")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -434,6 +434,7 @@ class ReplicaStatus(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     model_name: str
     state: ReplicaState
@@ -443,7 +444,8 @@ class ReplicaStatus(_message.Message):
     pid: int
     context_length: int
     parallel: int
-    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., error: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., pid: _Optional[int] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ...) -> None: ...
+    threads: int
+    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., error: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., pid: _Optional[int] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("node_name", "version", "memory_total_bytes", "memory_available_bytes", "cpu_cores", "accelerators", "replicas", "memory_in_use_bytes", "in_flight", "load_average", "rpc_servers", "disk_free_bytes", "boot_id")
