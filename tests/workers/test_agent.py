@@ -226,8 +226,8 @@ def test_metrics_need_the_node_token_and_describe_replicas(model_store):
 def test_busy_engines_share_the_agents_cores_and_one_alone_takes_them_all(agent, stub):
     """Two replicas on one agent of 2 threads: each decodes with both while the other is
     idle, with one each while both generate (all cores each oversubscribe the machine), and
-    the one left running gets both back when the other ends. A deployment that set its own
-    count keeps it, and it comes off what the others share."""
+    the one left running gets both back when the other ends. A replica loaded with a count
+    of its own keeps it, and that count comes off what the others share."""
 
     def threads() -> dict[str, int]:
         status = stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH)

@@ -188,11 +188,11 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
     def _share_cores(self) -> None:
         """Divide the node's threads among the engines generating now, each time one starts
         or stops: an engine alone decodes with all of them, and two busy ones no longer
-        oversubscribe the cores (their OpenMP threads spin at every barrier, and two SmolLM2
-        replicas with all cores each decoded at a third of their speed with one each). An
-        idle engine takes no share; it gets one before its first request is sent. Engines
-        whose deployment set a thread count keep it, and it is taken off the shared budget
-        while they are busy."""
+        oversubscribe the cores (their OpenMP threads spin at every barrier: two SmolLM2
+        replicas with all cores each decoded at a seventh of their speed with one each,
+        bench/cores.py). An idle engine takes no share; it gets one before its first request
+        is sent. An engine loaded with a count of its own (LoadModelRequest.threads) keeps
+        it, and that count is taken off the shared budget while it is busy."""
         busy = [
             r for r in self.replicas.values() if r.engine.state == "ready" and r.engine.generating
         ]
