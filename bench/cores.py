@@ -29,12 +29,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "proto"))
+sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("LLAMAFLEET_NODE_TOKEN", "bench-node-token")
 
 import grpc  # noqa: E402
 from llamafleet.agent.v1 import agent_pb2 as pb  # noqa: E402
 from llamafleet.agent.v1 import agent_pb2_grpc  # noqa: E402
+from serving import TOPICS  # noqa: E402  (the serving bench's stories)
 
 from tests.conftest import RunningAgent, cached_model  # noqa: E402
 
@@ -42,7 +43,6 @@ ROUNDS, TOKENS, STREAMS = 3, 128, 4
 MODEL = "smollm2-135m-instruct"
 MODES = {"shared": 0, "all_cores": 2, "one_each": 1}  # LoadModelRequest.threads
 AUTH = (("authorization", f"Bearer {os.environ['LLAMAFLEET_NODE_TOKEN']}"),)
-TOPICS = ["the sea", "a lighthouse", "a dragon", "the moon", "a city", "a train", "a cat", "ice"]
 
 
 async def stream(stub, replica: str, topic: str) -> int:

@@ -68,7 +68,7 @@ class Replica:
         self.replica_id = request.replica_id
         self.model_name = request.model_name
         self.engine = engine
-        #: The agent chose its threads (the deployment set none): they follow the load.
+        #: The agent chooses its threads (LoadModelRequest.threads is 0): they follow the load.
         self.shares_cores = not request.threads
         self.loaded = asyncio.Event()
         self.load_seconds = 0.0
