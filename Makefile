@@ -71,7 +71,7 @@ bench-batching: setup
 	$(PY) bench/batching.py
 
 # Two replicas on one agent: threads shared among busy engines against fixed counts.
-bench-cores: setup
+bench-cores: llama-server
 	$(PY) bench/cores.py
 
 # Database queries of 10 open consoles, idle and with the fleet changing (PostgreSQL with

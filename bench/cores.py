@@ -7,7 +7,11 @@ each) over gRPC. Three ways to give them threads, each loaded in turn, rounds al
 - shared (the default: the deployment sets no count): the agent divides its threads among
   the engines generating now (workers.agent.service._share_cores);
 - all_cores (what the agent did before: each engine all the node's threads, pinned);
-- one_each (the node's threads divided once among the loaded engines, pinned).
+- one_each (the node's threads divided once among the loaded engines, pinned);
+- llama_server_all_cores and llama_server_one_each: what a user would run instead, two
+  llama-server processes (scripts/build_llama_server.sh; 4 slots each, -t 2 or -t 1) on
+  the same file, asked the same things over its OpenAI API (one chunk per token, so their
+  client does a little more work than the gRPC one).
 
 Two workloads: both replicas busy (4 greedy streams of TOKENS tokens on each, together), and
 one busy beside an idle one (4 streams on the first). The figure is generated tokens/s
@@ -33,15 +37,18 @@ sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("LLAMAFLEET_NODE_TOKEN", "bench-node-token")
 
 import grpc  # noqa: E402
+import httpx  # noqa: E402
 from llamafleet.agent.v1 import agent_pb2 as pb  # noqa: E402
 from llamafleet.agent.v1 import agent_pb2_grpc  # noqa: E402
-from serving import TOPICS  # noqa: E402  (the serving bench's stories)
+from serving import TOPICS, LlamaServer, Target, chat, http_client  # noqa: E402
 
 from tests.conftest import RunningAgent, cached_model  # noqa: E402
 
 ROUNDS, TOKENS, STREAMS = 3, 128, 4
 MODEL = "smollm2-135m-instruct"
 MODES = {"shared": 0, "all_cores": 2, "one_each": 1}  # LoadModelRequest.threads
+SERVERS = {"llama_server_all_cores": 2, "llama_server_one_each": 1}  # -t of each process
+SERVER_PORTS = (8301, 8302)
 AUTH = (("authorization", f"Bearer {os.environ['LLAMAFLEET_NODE_TOKEN']}"),)
 
 
@@ -71,12 +78,54 @@ async def workload(stub, replicas: list[str], r: int) -> float:
     return sum(counts) / (time.perf_counter() - t0)
 
 
-async def run(address: str, sha: str) -> dict:
-    rows = {m: {"both_busy": [], "one_busy": []} for m in MODES}
+async def server_workload(client: httpx.AsyncClient, targets: list[Target], r: int) -> float:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(
+        *(
+            chat(
+                client,
+                t,
+                [{"role": "user", "content": f"Write a long story about {topic}."}],
+                TOKENS,
+            )
+            for k, t in enumerate(targets)
+            for i in range(STREAMS)
+            for topic in [f"{TOPICS[(i + k) % len(TOPICS)]} ({r})"]
+        )
+    )
+    return sum(x["tokens"] for x in results) / (time.perf_counter() - t0)
+
+
+async def servers(path: Path, threads: int, r: int) -> tuple[float, float]:
+    """Two llama-server processes of `threads` each: both busy, then one busy."""
+    procs = [
+        LlamaServer(path, ["--jinja"], port=p, slots=STREAMS, context=1024, threads=threads)
+        for p in SERVER_PORTS
+    ]
+    try:
+        targets = [Target(f"llama_server_{i}", ls.url, MODEL) for i, ls in enumerate(procs)]
+        async with http_client() as client:
+            await server_workload(client, targets[:1], -1)  # warm
+            both = await server_workload(client, targets, r)
+            one = await server_workload(client, targets[:1], r)
+        return both, one
+    finally:
+        for ls in procs:
+            ls.stop()
+
+
+async def run(address: str, sha: str, path: Path) -> dict:
+    rows = {m: {"both_busy": [], "one_busy": []} for m in [*MODES, *SERVERS]}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = agent_pb2_grpc.NodeAgentStub(channel)
         for r in range(ROUNDS):
-            for mode in list(MODES) if r % 2 == 0 else list(MODES)[::-1]:
+            order = [*MODES, *SERVERS]
+            for mode in order if r % 2 == 0 else order[::-1]:
+                if mode in SERVERS:
+                    both, one = await servers(path, SERVERS[mode], r)
+                    rows[mode]["both_busy"].append(both)
+                    rows[mode]["one_busy"].append(one)
+                    continue
                 ids = [f"{mode}-a", f"{mode}-b"]
                 for rid in ids:
                     reply = await stub.LoadModel(
@@ -103,7 +152,7 @@ async def run(address: str, sha: str) -> dict:
     for k in ("both_busy", "one_busy"):
         base = out["shared"][f"{k}_tokens_per_s"]
         out[f"{k}_shared_over"] = {
-            m: round(base / out[m][f"{k}_tokens_per_s"], 3) for m in MODES if m != "shared"
+            m: round(base / out[m][f"{k}_tokens_per_s"], 3) for m in rows if m != "shared"
         }
     return out
 
@@ -116,7 +165,7 @@ def main() -> None:
         agent = RunningAgent(store, name="bench-cores")
         try:
             sha = path.name.removeprefix("sha256-").removesuffix(".gguf")
-            result = asyncio.run(run(agent.address, sha))
+            result = asyncio.run(run(agent.address, sha, path))
         finally:
             agent.close()
     finally:

@@ -15,6 +15,10 @@ llama-server's figure from the same run:
 - 8 concurrent streams: aggregate tokens/s and median time to first token;
 - multi-turn chat: 6 turns, a system prompt of about 450 tokens, history resent each turn;
   median time to first token of turns 2-6;
+- more conversations than slots: 16 chats of that kind take turns one request at a time, so
+  each history has left its slot before its next turn; median time to first token of turns
+  2-4 (llama-server keeps pushed-out prompts in host RAM, --cache-ram 8 GiB by default;
+  LlamaFleet's agent in its own host cache, --prompt-cache-mib);
 - LlamaFleet only, two replicas: 16 interleaved conversations under the prefix routing
   policy against least connections;
 - LlamaFleet only: 20 streams over 2 replicas, one engine SIGKILLed mid-flight, in the
@@ -212,7 +216,16 @@ MODELS_BY_CATALOG = {v[0]: (v[1], v[2]) for v in MODELS.values()}
 class LlamaServer:
     """llama.cpp's llama-server on the same file, slots, context and threads."""
 
-    def __init__(self, model: Path, template_args: list[str]):
+    def __init__(
+        self,
+        model: Path,
+        template_args: list[str],
+        port: int = SERVER_PORT,
+        slots: int = SLOTS,
+        context: int = CONTEXT,
+        threads: int = THREADS,
+    ):
+        self.url = f"http://127.0.0.1:{port}"
         subprocess.run(["scripts/build_llama_server.sh", PY], cwd=ROOT, check=True)
         if "CATALOG_TEMPLATE" in template_args:
             from apps.catalog.sources import GEMMA_CHAT_TEMPLATE
@@ -220,16 +233,18 @@ class LlamaServer:
             template = VAR / "catalog-template.jinja"
             template.write_text(GEMMA_CHAT_TEMPLATE)
             template_args = [str(template) if a == "CATALOG_TEMPLATE" else a for a in template_args]
-        self.log = open(VAR / "llama-server.log", "w")  # noqa: SIM115 (closed in stop)
+        VAR.mkdir(parents=True, exist_ok=True)
+        log = "llama-server.log" if port == SERVER_PORT else f"llama-server-{port}.log"
+        self.log = open(VAR / log, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [
                 str(ROOT / "var/llama-server/llama-server"),
                 "-m", str(model),
-                "-np", str(SLOTS),
-                "-c", str(SLOTS * CONTEXT),
-                "-t", str(THREADS),
+                "-np", str(slots),
+                "-c", str(slots * context),
+                "-t", str(threads),
                 "--host", "127.0.0.1",
-                "--port", str(SERVER_PORT),
+                "--port", str(port),
                 *template_args,
             ],
             stdout=self.log,
@@ -238,7 +253,7 @@ class LlamaServer:
         end = time.monotonic() + 120
         while time.monotonic() < end:
             try:
-                if httpx.get(SERVER_URL + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -533,6 +548,54 @@ async def multi_turn(targets: list[Target], rounds: int, turns: int = 6, tokens:
     return out
 
 
+def many_name() -> str:
+    """The part's key: a run with the agent's host cache off (LLAMAFLEET_AGENT_PROMPT_CACHE_MIB
+    =0) is kept beside the default one, to show what the cache is worth."""
+    off = os.environ.get("LLAMAFLEET_AGENT_PROMPT_CACHE_MIB") == "0"
+    return "many_conversations_no_host_cache" if off else "many_conversations"
+
+
+async def many_conversations(
+    targets: list[Target], rounds: int, n: int = 16, turns: int = 4, tokens: int = 32
+) -> dict:
+    """n conversations with system prompts of their own, in turn, one request at a time:
+    with n > SLOTS, a conversation's slot holds another's history by the time its next
+    turn comes, so only a host-RAM cache spares evaluating the whole history again."""
+    rows = {t.name: {"later": [], "first": [], "cached": [], "prompt": []} for t in targets}
+    async with http_client() as client:
+        for r in range(rounds):
+            for t in alternate(targets, r):
+                chats = [
+                    [{"role": "system", "content": system_prompt(f"many {r}.{i}")}]
+                    for i in range(n)
+                ]
+                for k in range(turns):
+                    for messages in chats:
+                        messages.append({"role": "user", "content": QUESTIONS[k]})
+                        res = await chat(client, t, messages, tokens)
+                        messages.append({"role": "assistant", "content": res["text"]})
+                        v = rows[t.name]
+                        if k == 0:
+                            v["first"].append(res["ttft"])
+                        else:
+                            v["later"].append(res["ttft"])
+                            v["cached"].append(res["cached_tokens"])
+                            v["prompt"].append(res["prompt_tokens"])
+    out = {"rounds": rounds, "conversations": n, "slots": SLOTS, "turns": turns}
+    for name, v in rows.items():
+        out[name] = {
+            "turn1_ttft_ms": 1000 * med(v["first"]),
+            "later_turns_median_ttft_ms": 1000 * med(v["later"]),
+            "later_turns_median_prompt_tokens": med(v["prompt"]),
+            "later_turns_median_cached_tokens": med(v["cached"]),
+        }
+    out["ratio"] = ratios(out["llamafleet"], out["llama_server"])
+    out["llamafleet_prompt_cache_mib"] = int(
+        os.environ.get("LLAMAFLEET_AGENT_PROMPT_CACHE_MIB", "512")
+    )
+    return out
+
+
 def set_policy(deployment: str, policy: str) -> None:
     manage(
         "shell",
@@ -732,8 +795,9 @@ async def compare(args, model_path: Path, catalog_name: str, only) -> dict:
             ("single_stream", lambda: single_stream([fleet, server], args.rounds, args.tokens)),
             ("concurrent_8", lambda: concurrent([fleet, server], args.rounds, args.tokens)),
             ("multi_turn_chat", lambda: multi_turn([fleet, server], max(args.rounds // 2, 2))),
+            (many_name(), lambda: many_conversations([fleet, server], 2)),
         ):
-            if only is None or name in only:
+            if only is None or name.removesuffix("_no_host_cache") in only:
                 result[name] = await run()
                 show(name)
     finally:
@@ -781,7 +845,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     parser.add_argument(
-        "--only", default="", help="single_stream,concurrent_8,multi_turn_chat,routing,failover"
+        "--only",
+        default="",
+        help="single_stream,concurrent_8,multi_turn_chat,many_conversations,routing,failover",
     )
     parser.add_argument("--keep", action="store_true", help="leave the bench stack running")
     args = parser.parse_args()
@@ -789,7 +855,12 @@ def main() -> None:
     only = set(args.only.split(",")) if args.only else None
     result = {}
     try:
-        if only is None or only & {"single_stream", "concurrent_8", "multi_turn_chat"}:
+        if only is None or only & {
+            "single_stream",
+            "concurrent_8",
+            "multi_turn_chat",
+            "many_conversations",
+        }:
             model_path = start_stack(catalog_name)
             result.update(asyncio.run(compare(args, model_path, catalog_name, only)))
         if only is None or only & {"routing", "failover"}:

@@ -97,6 +97,14 @@ def _agent_options(a: argparse.ArgumentParser) -> None:
         "first is never held (LLAMAFLEET_STREAM_INTERVAL_MS; default 20, 0 for one per token)",
     )
     a.add_argument(
+        "--prompt-cache-mib",
+        type=int,
+        default=int(_env("LLAMAFLEET_AGENT_PROMPT_CACHE_MIB", "512")),
+        help="host RAM per replica for prompt prefixes pushed out of its slots, restored when "
+        "a later prompt shares them, as llama-server's --cache-ram "
+        "(LLAMAFLEET_AGENT_PROMPT_CACHE_MIB; default 512, 0 for none)",
+    )
+    a.add_argument(
         "--rpc-host",
         default=_env("LLAMAFLEET_RPC_HOST"),
         help="address rpc servers listen on (LLAMAFLEET_RPC_HOST; default: the host of "
@@ -178,6 +186,7 @@ def _agent(args, parser: argparse.ArgumentParser) -> int:
         health_listen=args.health_listen,
         metrics_token=_env("LLAMAFLEET_METRICS_TOKEN"),
         stream_interval_ms=args.stream_interval_ms,
+        prompt_cache_mib=args.prompt_cache_mib,
         drain_seconds=args.drain_seconds,
         rpc_host=args.rpc_host,
         allow_public_rpc=args.allow_public_rpc,

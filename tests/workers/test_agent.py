@@ -223,6 +223,26 @@ def test_metrics_need_the_node_token_and_describe_replicas(model_store):
         running.close()
 
 
+def test_a_conversation_pushed_out_of_the_slots_is_restored_from_host_ram(agent, stub):
+    """A one-slot replica and two conversations taking turns over gRPC: the third turn's
+    history comes back from the agent's host-RAM prompt cache, and the metrics say so."""
+    load(stub, parallel=1, context_length=1024)
+    owls = [{"role": "user", "content": "Tell me about owls. " * 10}]
+    trains = [{"role": "user", "content": "Tell me about trains. " * 10}]
+    for messages in (owls, trains):
+        list(stub.RunInference(chat(messages=messages, max_tokens=8), metadata=AUTH))
+    last = list(stub.RunInference(chat(messages=owls, max_tokens=8), metadata=AUTH))[-1]
+    assert last.usage.cached_tokens == last.usage.prompt_tokens - 1
+    metrics = agent.agent.service.metrics.registry
+    labels = {"replica": "r1", "model": "smollm2"}
+    assert metrics.get_sample_value("llamafleet_agent_prompt_cache_host_hits_total", labels) == 1
+    assert (
+        metrics.get_sample_value("llamafleet_agent_prompt_cache_host_tokens_total", labels)
+        == last.usage.cached_tokens
+    )
+    assert metrics.get_sample_value("llamafleet_agent_prompt_cache_host_bytes", labels) > 0
+
+
 def test_busy_engines_share_the_agents_cores_and_one_alone_takes_them_all(agent, stub):
     """Two replicas on one agent of 2 threads: each decodes with both while the other is
     idle, with one each while both generate (all cores each oversubscribe the machine), and

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import CHAT
 from workers.engine import errors as codes
-from workers.engine.core import BatchEngine, Request, Sampling, common_prefix
+from workers.engine.core import BatchEngine, HostCache, Request, Sampling, common_prefix
 from workers.engine.errors import EngineError
 from workers.engine.events import Batch, Done, Token
 
@@ -507,6 +507,118 @@ def test_each_conversation_finds_its_own_slot(smollm2_path):
         assert db["b2"].usage["cached_tokens"] == len(b) - 1
     finally:
         e.close()
+
+
+def test_a_prefix_pushed_out_of_its_slot_comes_back_from_host_ram(smollm2_path):
+    """One slot, two conversations taking turns: each turn pushes the other's history out
+    of the slot, and the host-RAM cache brings it back, so the turn evaluates only its last
+    token, and its text equals what the same turn gives with its history still in a slot."""
+    kept = BatchEngine(str(smollm2_path), context_length=1024, parallel=2, threads=2)
+    try:
+        a = chat_tokens(kept, [{"role": "user", "content": "Tell me about owls. " * 10}])
+        b = chat_tokens(kept, [{"role": "user", "content": "Tell me about trains. " * 10}])
+        run(kept, [Request("a1", a, 8, GREEDY)])
+        expected, done, _ = run(kept, [Request("a2", a, 8, GREEDY)])
+        assert done["a2"].usage["host_cached_tokens"] == 0  # still in its slot
+    finally:
+        kept.close()
+    for limit, restored in ((64 << 20, True), (0, False)):
+        e = BatchEngine(
+            str(smollm2_path), context_length=1024, parallel=1, threads=2, host_cache_bytes=limit
+        )
+        try:
+            run(e, [Request("a1", a, 8, GREEDY)])
+            _, db, _ = run(e, [Request("b1", b, 8, GREEDY)])
+            assert db["b1"].usage["cached_tokens"] == common_prefix(a, b)  # the template's start
+            texts, da, _ = run(e, [Request("a2", a, 8, GREEDY)])
+            usage = da["a2"].usage
+            if restored:
+                assert usage["cached_tokens"] == usage["host_cached_tokens"] == len(a) - 1
+                assert texts["a2"] == expected["a2"]
+                # a's entry left the cache for the slot; b's history took its place.
+                assert [x.tokens[: len(b)] for x in e.host.entries] == [b]
+                assert usage["host_cache_bytes"] == e.host.bytes > 0
+            else:
+                assert usage["cached_tokens"] == common_prefix(a, b)
+                assert usage["host_cached_tokens"] == 0 and not e.host.entries
+        finally:
+            e.close()
+
+
+def test_a_sliding_window_entry_serves_only_prompts_that_reach_its_end(gemma_path):
+    """gemma-3's window is 512 tokens, and a saved sequence keeps only the window's last
+    cells: the same 600-token prompt again cannot use it (the cells before the window of
+    its last token are gone), the next turn, which runs on past the entry's end, can."""
+    e = BatchEngine(str(gemma_path), context_length=1024, parallel=1, threads=2)
+    try:
+        assert e.n_swa == 512
+
+        def tokens(topic):
+            return e.tokenize(f"Notes on {topic}. " * 160, add_bos=True, special=False)
+
+        a, b = tokens("owls"), tokens("trains")
+        assert 600 < len(a) < 900 and 600 < len(b) < 900
+        run(e, [Request("a1", a, 4, GREEDY)])
+        run(e, [Request("b1", b, 4, GREEDY)])
+        (saved,) = [x.tokens for x in e.host.entries]
+        assert saved[: len(a)] == a
+        _, again, _ = run(e, [Request("a-again", a, 4, GREEDY)])
+        assert again["a-again"].usage["host_cached_tokens"] == 0
+        assert again["a-again"].usage["cached_tokens"] == common_prefix(a, b)
+        run(e, [Request("b2", b, 4, GREEDY)])  # the slot holds b again
+        follow_up = saved + e.tokenize(" And owls at night?", add_bos=False, special=False)
+        texts, later, errors = run(e, [Request("a2", follow_up, 4, GREEDY)])
+        assert not errors and texts["a2"]
+        assert later["a2"].usage["cached_tokens"] == len(saved)
+        assert later["a2"].usage["host_cached_tokens"] == len(saved)
+    finally:
+        e.close()
+
+
+def test_the_host_cache_drops_the_oldest_and_what_a_newer_entry_contains():
+    import ctypes
+
+    def data(n):
+        return (ctypes.c_uint8 * n)()
+
+    cache = HostCache(limit_bytes=300)
+    cache.add([1, 2, 3], data(100))
+    cache.add([1, 2, 3, 4, 5], data(100))  # contains the first: it goes
+    assert [e.tokens for e in cache.entries] == [[1, 2, 3, 4, 5]] and cache.bytes == 100
+    cache.add([7, 8], data(100))
+    cache.add([9, 9, 9], data(150))  # over 300 bytes: the oldest goes
+    assert [e.tokens for e in cache.entries] == [[7, 8], [9, 9, 9]] and cache.bytes == 250
+    cache.add([6] * 10, data(301))  # larger than the whole cache: not kept
+    assert cache.bytes == 250
+    assert cache.holds([9, 9]) and not cache.holds([9, 9, 9, 9])
+    # The longest prefix wins only when longer than what a slot has.
+    entry, n = cache.best([9, 9, 9, 1], than=0, n_swa=0)
+    assert entry.tokens == [9, 9, 9] and n == 3
+    assert cache.best([9, 9, 9, 1], than=3, n_swa=0) == (None, 3)
+    # An entry must keep a quarter of itself.
+    cache.add(list(range(100, 140)), data(10))
+    assert cache.best(list(range(100, 109)) + [0], than=0, n_swa=0)[0] is None
+    assert cache.best(list(range(100, 110)) + [0], than=0, n_swa=0)[1] == 10
+    # With a sliding window only the window's last cells were saved: a prompt must reach
+    # the entry's end, or stay within the first window.
+    assert cache.best(list(range(100, 130)), than=0, n_swa=8)[0] is None
+    assert cache.best(list(range(100, 140)) + [0], than=0, n_swa=8)[1] == 40
+    assert cache.best(list(range(100, 130)), than=0, n_swa=64)[1] == 30
+    cache.take(cache.entries[-1])
+    assert cache.restored == 1 and cache.bytes == 250
+
+
+def test_common_prefix_finds_the_first_difference():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        a = [rng.randrange(4) for _ in range(rng.randrange(40))]
+        b = a[: rng.randrange(len(a) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(5))]
+        naive = 0
+        while naive < min(len(a), len(b)) and a[naive] == b[naive]:
+            naive += 1
+        assert common_prefix(a, b) == common_prefix(b, a) == naive
 
 
 def test_the_invariant_mode_keeps_no_prompt_cache(invariant):

@@ -46,6 +46,19 @@ class AgentMetrics:
             ["replica", "model"],
             registry=self.registry,
         )
+        self.prompt_cache_host_hits = Counter(
+            "llamafleet_agent_prompt_cache_host_hits",
+            "Generations whose cached prefix was restored from host RAM (it had been pushed "
+            "out of the slots).",
+            ["replica", "model"],
+            registry=self.registry,
+        )
+        self.prompt_cache_host_tokens = Counter(
+            "llamafleet_agent_prompt_cache_host_tokens",
+            "Prompt tokens restored from host RAM instead of being evaluated.",
+            ["replica", "model"],
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "llamafleet_agent_prompt_tokens",
             "Prompt tokens of generations that ended (cached ones included).",
@@ -77,6 +90,10 @@ class AgentMetrics:
         if cached:
             self.prompt_cache_hits.labels(replica_id, model).inc()
             self.prompt_cache_tokens.labels(replica_id, model).inc(cached)
+        restored = usage.get("host_cached_tokens", 0)
+        if restored:
+            self.prompt_cache_host_hits.labels(replica_id, model).inc()
+            self.prompt_cache_host_tokens.labels(replica_id, model).inc(restored)
         if n:
             self.time_to_first_token.labels(model).observe(timings["time_to_first_token"])
         if n > 1 and timings["decode_seconds"] > 0:
@@ -120,6 +137,11 @@ class _ReplicaCollector:
             "busy engines).",
             labels=["replica", "model"],
         )
+        host_cache = GaugeMetricFamily(
+            "llamafleet_agent_prompt_cache_host_bytes",
+            "Host RAM the replica's prompt cache held when a generation last ended.",
+            labels=["replica", "model"],
+        )
         for r in list(self.service.replicas.values()):
             labels = [r.replica_id, r.model_name]
             e = r.engine
@@ -128,7 +150,8 @@ class _ReplicaCollector:
             memory.add_metric(labels, e.memory_bytes())
             ready.add_metric(labels, 1 if e.state == "ready" else 0)
             threads.add_metric(labels, e.threads)
-        yield from (in_flight, queued, memory, ready, threads)
+            host_cache.add_metric(labels, r.host_cache_bytes)
+        yield from (in_flight, queued, memory, ready, threads, host_cache)
 
 
 class MetricsServer:

@@ -45,6 +45,7 @@ class AgentSettings:
     #: cannot speak mutual TLS (Kubernetes' grpc probe); "" for none.
     health_listen: str = ""
     stream_interval_ms: float = 20.0  # pieces of one stream closer than this are merged
+    prompt_cache_mib: int = 512  # host RAM per replica for prefixes out of slots; 0 for none
     drain_seconds: float = 30.0  # on SIGTERM, how long generations in flight may finish
     rpc_host: str = ""  # where rpc servers listen; "" for the host of `advertise`
     allow_public_rpc: bool = False  # let rpc servers bind a wildcard or public address
@@ -155,6 +156,7 @@ class Agent:
             threads=settings.threads,
             on_change=self._changed,
             stream_interval=settings.stream_interval_ms / 1000,
+            prompt_cache_bytes=settings.prompt_cache_mib << 20,
             rpc_host=rpc_host,
             tls_files=settings.tls,
         )

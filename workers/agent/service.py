@@ -72,6 +72,8 @@ class Replica:
         self.shares_cores = not request.threads
         self.loaded = asyncio.Event()
         self.load_seconds = 0.0
+        #: Host RAM its engine's prompt cache held when a generation last ended.
+        self.host_cache_bytes = 0
 
     def status(self) -> pb.ReplicaStatus:
         e = self.engine
@@ -100,12 +102,14 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         on_change: Callable[[], None] | None = None,
         stream_interval: float = 0.0,
         rpc_host: str = "127.0.0.1",
+        prompt_cache_bytes: int = 512 << 20,
         tls_files=None,
     ):
         self.node_name = node_name
         self.store = store
         self.threads = threads or system.cpu_cores()
         self.stream_interval = stream_interval
+        self.prompt_cache_bytes = prompt_cache_bytes  # per replica, see BatchEngine
         self.rpc_host = rpc_host
         self.tls_files = tls_files  # for calls to other agents (link measurement)
         self.rpc_servers: dict[int, RpcServer] = {}
@@ -152,6 +156,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             threads=request.threads or self.threads,
             chat_template=request.chat_template,
             stream_interval=self.stream_interval,
+            host_cache_bytes=self.prompt_cache_bytes,
             rpc_servers=list(request.rpc_servers),
             n_gpu_layers=request.n_gpu_layers
             if request.rpc_servers or request.n_gpu_layers
@@ -240,6 +245,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
                         ],
                     )
                 else:
+                    replica.host_cache_bytes = event.usage.get("host_cache_bytes", 0)
                     self.metrics.finished(
                         replica.replica_id,
                         replica.model_name,
@@ -251,7 +257,11 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
                     yield pb.InferenceResponse(
                         choice=_choice(event.id),
                         finish_reason=_FINISH[event.reason],
-                        usage=pb.Usage(**event.usage),
+                        usage=pb.Usage(
+                            prompt_tokens=event.usage["prompt_tokens"],
+                            completion_tokens=event.usage["completion_tokens"],
+                            cached_tokens=event.usage["cached_tokens"],
+                        ),
                         timings=pb.Timings(**event.timings),
                     )
         except EngineError as exc:

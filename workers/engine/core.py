@@ -9,7 +9,9 @@ shared by all slots was slower at 8 streams here). Two modes:
   the next token of every decoding sequence plus prompt chunks of new ones, up to N_BATCH
   tokens. A slot keeps its sequence's KV after the request ends; a new request reuses the
   longest token prefix a free slot holds and evaluates only the rest (llama-server's
-  cache_prompt).
+  cache_prompt). A slot's prefix that a new request would throw away is first copied to a
+  bounded host-RAM cache (HostCache, llama-server's --cache-ram) and restored into a slot
+  when a later prompt shares more with it than with any slot.
 - invariant: prompt chunks decoded apart from decode tokens, flash attention off and no
   prompt cache, so each sequence's numbers are those of a solo run and greedy text does not
   depend on load. It costs throughput (see the README's measurements).
@@ -50,6 +52,11 @@ PROMPT_BUDGET = 64
 INVARIANT_ROWS = 4
 #: llama-cpp-python's default window for the repeat penalty.
 PENALTY_LAST_N = 64
+#: Host RAM for prefixes pushed out of slots, per engine (llama-server keeps 8 GiB per
+#: server); the agent's --prompt-cache-mib sets it.
+HOST_CACHE_BYTES = 512 << 20
+#: Fewest tokens a prefix must have to be worth a copy in host RAM.
+HOST_CACHE_MIN_TOKENS = 32
 
 
 @dataclass
@@ -104,13 +111,79 @@ class _Slot:
     busy: bool = False
 
 
+@dataclass
+class _Saved:
+    """A sequence's KV state as llama.cpp serializes it, and the tokens it holds."""
+
+    tokens: list[int]
+    data: ctypes.Array
+
+
+class HostCache:
+    """Prompt prefixes pushed out of slots, in host RAM: the same idea as llama-server's
+    --cache-ram. Entries are whole sequences (llama_state_seq_get_data), oldest dropped first
+    when over the limit; one that a newer entry contains is dropped as redundant, and an
+    entry restored into a slot leaves the cache (the slot has it now)."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit = max(0, int(limit_bytes))
+        self.entries: list[_Saved] = []  # oldest first
+        self.bytes = 0
+        self.restored = 0  # entries ever restored into a slot
+
+    def holds(self, tokens: list[int]) -> bool:
+        """True when an entry already has all of `tokens`."""
+        return any(common_prefix(e.tokens, tokens) == len(tokens) for e in self.entries)
+
+    def add(self, tokens: list[int], data: ctypes.Array) -> None:
+        size = len(data)
+        if size > self.limit:
+            return
+        for e in [e for e in self.entries if common_prefix(e.tokens, tokens) == len(e.tokens)]:
+            self._drop(e)  # contained in the new one
+        while self.entries and self.bytes + size > self.limit:
+            self._drop(self.entries[0])
+        self.entries.append(_Saved(list(tokens), data))
+        self.bytes += size
+
+    def best(self, tokens: list[int], than: int, n_swa: int) -> tuple[_Saved | None, int]:
+        """The entry sharing the longest prefix with `tokens`, if longer than `than`, and
+        that length. Like llama-server, an entry must keep a quarter of itself. In a
+        sliding-window model only the window's last cells were saved, so an entry serves
+        only prompts that reach its end (or stay within its first window)."""
+        best, n_best = None, than
+        for e in self.entries:
+            n = common_prefix(e.tokens, tokens)
+            if n <= n_best or n * 4 < len(e.tokens):
+                continue
+            if n_swa > 0 and max(0, len(e.tokens) - n_swa) > max(0, n - n_swa):
+                continue
+            best, n_best = e, n
+        return best, n_best
+
+    def take(self, entry: _Saved) -> None:
+        self._drop(entry)
+        self.restored += 1
+
+    def _drop(self, entry: _Saved) -> None:
+        self.entries.remove(entry)
+        self.bytes -= len(entry.data)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists."""
+    """Length of the common prefix of two token lists (slices compared in C, halving the
+    range: the host cache compares every new prompt with each of its entries)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
@@ -128,6 +201,7 @@ class _Sequence:
     generated: int = 0
     batch_index: int = -1  # index in the current batch whose logits to sample
     cached_tokens: int = 0  # prompt tokens whose KV the slot's cache already held
+    host_cached_tokens: int = 0  # of those, restored from host RAM (HostCache)
     pending_text: str = ""  # decoded text held back while it may start a stop string
     new_tokens: list[int] = field(default_factory=list)  # sampled, not yet sent with text
     new_logprobs: list[tuple] = field(default_factory=list)  # theirs, when asked (logprob())
@@ -158,6 +232,7 @@ class BatchEngine:
         split_mode: int = L.LLAMA_SPLIT_MODE_LAYER,
         tensor_split: list[float] | None = None,
         batch_invariant: bool = False,
+        host_cache_bytes: int = HOST_CACHE_BYTES,
     ):
         """rpc_servers split the model: the last n_gpu_layers layers (-1: all) go to those
         servers, in proportion to tensor_split; the rest stay here. Without rpc_servers,
@@ -230,6 +305,8 @@ class BatchEngine:
         self.batch = L.llama_batch_init(N_BATCH, 0, 1)
         self.max_queue = max_queue
         self.slots = [_Slot(i) for i in range(self.parallel)]
+        # Not for splits: a saved state would be read from the stages' KV over the network.
+        self.host = HostCache(0 if self.invariant or rpc_servers else host_cache_bytes)
         self.n_swa = L.llama_model_n_swa(self.model)
         self.waiting: deque[Request] = deque()
         self.active: dict[str, _Sequence] = {}
@@ -495,7 +572,7 @@ class BatchEngine:
             room = self.context_length - len(req.prompt_tokens)
             limit = min(req.max_tokens, room) if req.max_tokens > 0 else room
             prefill = req.prompt_tokens + req.resume_tokens
-            slot, reused = self._take_slot(free, prefill, req.cache_prompt)
+            slot, reused, from_host = self._take_slot(free, prefill, req.cache_prompt)
             seq = _Sequence(
                 req=req,
                 seq_id=slot.seq_id,
@@ -508,6 +585,7 @@ class BatchEngine:
                 prefill_pos=reused,
                 n_past=reused,
                 cached_tokens=min(reused, len(req.prompt_tokens)),
+                host_cached_tokens=min(reused, len(req.prompt_tokens)) if from_host else 0,
                 admitted_at=time.monotonic(),
             )
             self.active[req.request_id] = seq
@@ -528,7 +606,7 @@ class BatchEngine:
             sampling=dataclasses.replace(req.sampling, seed=seed),
         )
         free = [slot for slot in self.slots if not slot.busy]
-        slot, _ = self._claim(min(free, key=lambda s: (len(s.cached) > 0, s.last_used)), None, 0)
+        slot, _, _ = self._claim(min(free, key=lambda s: (len(s.cached) > 0, s.last_used)), None, 0)
         self.active[sub.request_id] = _Sequence(
             req=sub,
             seq_id=slot.seq_id,
@@ -550,16 +628,20 @@ class BatchEngine:
                 seq.n_past, seq.follows = first.n_past, None
                 seq.batch_index = first.batch_index
 
-    def _take_slot(self, free: list[_Slot], tokens: list[int], reuse: bool) -> tuple[_Slot, int]:
-        """The free slot to use for a prompt, and how many of its tokens that slot's KV holds.
+    def _take_slot(
+        self, free: list[_Slot], tokens: list[int], reuse: bool
+    ) -> tuple[_Slot, int, bool]:
+        """The free slot to use for a prompt, how many of its tokens that slot's KV holds,
+        and whether they came from host RAM.
 
         The free slot sharing the longest prefix with the prompt is the source. The prompt
         either continues in that slot, cutting the cache's tail that differs, or goes to the
         slot whose cache is worth least (empty, else used least recently) with the source's
         stream copied in; whichever throws fewer cached tokens away. So a common system
         prompt is reused without evicting another conversation, and the next turn of a
-        conversation stays where its history is. At least the last token is evaluated again:
-        its logits give the first new token.
+        conversation stays where its history is. A host-RAM entry that shares more than
+        every free slot is restored into that least valuable slot instead. At least the last
+        token is evaluated again: its logits give the first new token.
         """
         dst = min(free, key=lambda s: (len(s.cached) > 0, s.last_used))
         if self.invariant or not reuse:
@@ -567,21 +649,35 @@ class BatchEngine:
         shared = {id(s): common_prefix(s.cached, tokens) for s in free}
         src = max(free, key=lambda s: (shared[id(s)], -s.last_used))
         n = min(shared[id(src)], len(tokens) - 1)
+        entry, n_host = self.host.best(tokens[:-1], n, self.n_swa)
+        if entry is not None:
+            return self._claim(dst, None, n_host, entry)
         if not n:
             return self._claim(dst, None, 0)
         if dst is src or len(src.cached) - n <= len(dst.cached):
             return self._claim(src, None, n)
         return self._claim(dst, src, n)
 
-    def _claim(self, slot: _Slot, src: _Slot | None, reused: int) -> tuple[_Slot, int]:
-        """Make `slot` hold the first `reused` tokens (its own, or copied from src)."""
+    def _claim(
+        self, slot: _Slot, src: _Slot | None, reused: int, entry: _Saved | None = None
+    ) -> tuple[_Slot, int, bool]:
+        """Make `slot` hold the first `reused` tokens: its own, copied from slot src, or
+        restored from a host-RAM entry. What of its own cache this throws away is copied to
+        host RAM first."""
         slot.busy = True
         mem, seq = self.memory, slot.seq_id
+        self._save(slot, reused if src is None and entry is None else 0)
         if src is not None:
             # Across KV streams llama.cpp copies whole streams only (at the next decode);
             # the tail beyond the shared prefix is cut after.
             L.llama_memory_seq_rm(mem, seq, -1, -1)
             L.llama_memory_seq_cp(mem, src.seq_id, seq, -1, -1)
+        elif entry is not None:
+            L.llama_memory_seq_rm(mem, seq, -1, -1)
+            size = len(entry.data)
+            if L.llama_state_seq_set_data(self.ctx, entry.data, size, seq) != size:
+                reused = 0  # llama.cpp found no room or a mismatch: evaluate it all
+            self.host.take(entry)
         if reused and not L.llama_memory_seq_rm(mem, seq, reused, -1):
             reused = 0
         if reused and self.n_swa > 0:
@@ -591,7 +687,24 @@ class BatchEngine:
         if not reused:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
         slot.cached = []
-        return slot, reused
+        return slot, reused, entry is not None and reused > 0
+
+    def _save(self, slot: _Slot, keep: int) -> None:
+        """Copy the slot's cached sequence to host RAM when a new request keeps only `keep`
+        of its tokens and would lose at least HOST_CACHE_MIN_TOKENS."""
+        tokens = slot.cached
+        if (
+            not self.host.limit
+            or len(tokens) - keep < HOST_CACHE_MIN_TOKENS
+            or self.host.holds(tokens)
+        ):
+            return
+        size = L.llama_state_seq_get_size(self.ctx, slot.seq_id)
+        if not size or size > self.host.limit:
+            return
+        data = (ctypes.c_uint8 * size)()
+        if L.llama_state_seq_get_data(self.ctx, data, size, slot.seq_id) == size:
+            self.host.add(tokens, data)
 
     def _resume(self, seq: _Sequence, events: list[Token | Done | Error]) -> None:
         """Take over a generation: its tokens count as generated, unsent text is sent."""
@@ -891,6 +1004,8 @@ class BatchEngine:
                 "prompt_tokens": len(seq.req.prompt_tokens),
                 "completion_tokens": seq.generated,
                 "cached_tokens": seq.cached_tokens,
+                "host_cached_tokens": seq.host_cached_tokens,
+                "host_cache_bytes": self.host.bytes,
             },
             {
                 "time_to_first_token": first - seq.req.received_at,

@@ -59,6 +59,7 @@ class EngineConfig:
     split_mode: int = 1  # LLAMA_SPLIT_MODE_LAYER; 3 is tensor parallel
     tensor_split: list[float] = field(default_factory=list)
     batch_invariant: bool = False  # see BatchEngine
+    host_cache_bytes: int = 512 << 20  # host RAM for prefixes pushed out of slots
 
 
 # ---- child side ----------------------------------------------------------------------
@@ -281,6 +282,7 @@ def _load(conn, config: EngineConfig):
             split_mode=config.split_mode,
             tensor_split=config.tensor_split,
             batch_invariant=config.batch_invariant,
+            host_cache_bytes=config.host_cache_bytes,
         )
     except EngineError as exc:
         conn.send(LoadError(exc.code, exc.message))
