@@ -52,11 +52,11 @@ SERVER_PORTS = (8301, 8302)
 AUTH = (("authorization", f"Bearer {os.environ['LLAMAFLEET_NODE_TOKEN']}"),)
 
 
-async def stream(stub, replica: str, topic: str) -> int:
+async def stream(stub, replica: str, prompt: str) -> int:
     request = pb.InferenceRequest(
         replica_id=replica,
         max_tokens=TOKENS,
-        messages=[pb.ChatMessage(role="user", content=f"Write a long story about {topic}.")],
+        messages=[pb.ChatMessage(role="user", content=prompt)],
         sampling=pb.SamplingParams(temperature=0),
     )
     tokens = 0
@@ -66,34 +66,23 @@ async def stream(stub, replica: str, topic: str) -> int:
     return tokens
 
 
-async def workload(stub, replicas: list[str], r: int) -> float:
+async def server_stream(client: httpx.AsyncClient, target: Target, prompt: str) -> int:
+    res = await chat(client, target, [{"role": "user", "content": prompt}], TOKENS)
+    return res["tokens"]
+
+
+async def workload(send, targets: list, r: int) -> float:
+    """STREAMS stories at once on each target (send(target, prompt) -> tokens counted from
+    usage); generated tokens/s over the whole workload."""
     t0 = time.perf_counter()
     counts = await asyncio.gather(
         *(
-            stream(stub, rid, f"{TOPICS[(i + k) % len(TOPICS)]} ({r})")
-            for k, rid in enumerate(replicas)
+            send(t, f"Write a long story about {TOPICS[(i + k) % len(TOPICS)]} ({r}).")
+            for k, t in enumerate(targets)
             for i in range(STREAMS)
         )
     )
     return sum(counts) / (time.perf_counter() - t0)
-
-
-async def server_workload(client: httpx.AsyncClient, targets: list[Target], r: int) -> float:
-    t0 = time.perf_counter()
-    results = await asyncio.gather(
-        *(
-            chat(
-                client,
-                t,
-                [{"role": "user", "content": f"Write a long story about {topic}."}],
-                TOKENS,
-            )
-            for k, t in enumerate(targets)
-            for i in range(STREAMS)
-            for topic in [f"{TOPICS[(i + k) % len(TOPICS)]} ({r})"]
-        )
-    )
-    return sum(x["tokens"] for x in results) / (time.perf_counter() - t0)
 
 
 async def servers(path: Path, threads: int, r: int) -> tuple[float, float]:
@@ -105,9 +94,13 @@ async def servers(path: Path, threads: int, r: int) -> tuple[float, float]:
     try:
         targets = [Target(f"llama_server_{i}", ls.url, MODEL) for i, ls in enumerate(procs)]
         async with http_client() as client:
-            await server_workload(client, targets[:1], -1)  # warm
-            both = await server_workload(client, targets, r)
-            one = await server_workload(client, targets[:1], r)
+
+            def send(t, prompt):
+                return server_stream(client, t, prompt)
+
+            await workload(send, targets[:1], -1)  # warm
+            both = await workload(send, targets, r)
+            one = await workload(send, targets[:1], r)
         return both, one
     finally:
         for ls in procs:
@@ -118,6 +111,10 @@ async def run(address: str, sha: str, path: Path) -> dict:
     rows = {m: {"both_busy": [], "one_busy": []} for m in [*MODES, *SERVERS]}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = agent_pb2_grpc.NodeAgentStub(channel)
+
+        def send(replica, prompt):
+            return stream(stub, replica, prompt)
+
         for r in range(ROUNDS):
             order = [*MODES, *SERVERS]
             for mode in order if r % 2 == 0 else order[::-1]:
@@ -141,9 +138,9 @@ async def run(address: str, sha: str, path: Path) -> dict:
                         timeout=300,
                     )
                     assert reply.state == pb.REPLICA_STATE_READY, reply.error
-                await workload(stub, ids[:1], -1)  # warm
-                rows[mode]["both_busy"].append(await workload(stub, ids, r))
-                rows[mode]["one_busy"].append(await workload(stub, ids[:1], r))
+                await workload(send, ids[:1], -1)  # warm
+                rows[mode]["both_busy"].append(await workload(send, ids, r))
+                rows[mode]["one_busy"].append(await workload(send, ids[:1], r))
                 for rid in ids:
                     await stub.FreeMemory(pb.FreeMemoryRequest(replica_id=rid), metadata=AUTH)
     out = {}

@@ -51,6 +51,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from workers.engine.process import PROMPT_CACHE_MIB  # noqa: E402
+
 PY = sys.executable
 PORT, SERVER_PORT = 8100, 8200
 URL, SERVER_URL = f"http://127.0.0.1:{PORT}", f"http://127.0.0.1:{SERVER_PORT}"
@@ -591,7 +594,7 @@ async def many_conversations(
         }
     out["ratio"] = ratios(out["llamafleet"], out["llama_server"])
     out["llamafleet_prompt_cache_mib"] = int(
-        os.environ.get("LLAMAFLEET_AGENT_PROMPT_CACHE_MIB", "512")
+        os.environ.get("LLAMAFLEET_AGENT_PROMPT_CACHE_MIB", PROMPT_CACHE_MIB)
     )
     return out
 

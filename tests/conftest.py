@@ -32,6 +32,9 @@ def stack_module():
 CACHE = ROOT / "var" / "test-cache"
 SMOLLM2 = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+#: Two conversations of ~70 tokens sharing only the chat template's opening.
+OWLS = [{"role": "user", "content": "Tell me about owls. " * 10}]
+TRAINS = [{"role": "user", "content": "Tell me about trains. " * 10}]
 
 
 @pytest.fixture(autouse=True)

@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _agent_options(a: argparse.ArgumentParser) -> None:
+    from workers.engine.process import PROMPT_CACHE_MIB
+
     a.add_argument(
         "--name",
         default=_env("LLAMAFLEET_NODE_NAME", socket.gethostname()),
@@ -99,10 +101,10 @@ def _agent_options(a: argparse.ArgumentParser) -> None:
     a.add_argument(
         "--prompt-cache-mib",
         type=int,
-        default=int(_env("LLAMAFLEET_AGENT_PROMPT_CACHE_MIB", "512")),
+        default=int(_env("LLAMAFLEET_AGENT_PROMPT_CACHE_MIB", str(PROMPT_CACHE_MIB))),
         help="host RAM per replica for prompt prefixes pushed out of its slots, restored when "
         "a later prompt shares them, as llama-server's --cache-ram "
-        "(LLAMAFLEET_AGENT_PROMPT_CACHE_MIB; default 512, 0 for none)",
+        f"(LLAMAFLEET_AGENT_PROMPT_CACHE_MIB; default {PROMPT_CACHE_MIB}, 0 for none)",
     )
     a.add_argument(
         "--rpc-host",

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llamafleet.agent.v1 import agent_pb2 as pb
 from llamafleet.agent.v1 import agent_pb2_grpc
 
-from tests.conftest import CHAT, wait_for
+from tests.conftest import CHAT, OWLS, TRAINS, wait_for
 
 SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 AUTH = (("authorization", f"Bearer {os.environ['LLAMAFLEET_NODE_TOKEN']}"),)
@@ -227,11 +227,9 @@ def test_a_conversation_pushed_out_of_the_slots_is_restored_from_host_ram(agent,
     """A one-slot replica and two conversations taking turns over gRPC: the third turn's
     history comes back from the agent's host-RAM prompt cache, and the metrics say so."""
     load(stub, parallel=1, context_length=1024)
-    owls = [{"role": "user", "content": "Tell me about owls. " * 10}]
-    trains = [{"role": "user", "content": "Tell me about trains. " * 10}]
-    for messages in (owls, trains):
+    for messages in (OWLS, TRAINS):
         list(stub.RunInference(chat(messages=messages, max_tokens=8), metadata=AUTH))
-    last = list(stub.RunInference(chat(messages=owls, max_tokens=8), metadata=AUTH))[-1]
+    last = list(stub.RunInference(chat(messages=OWLS, max_tokens=8), metadata=AUTH))[-1]
     assert last.usage.cached_tokens == last.usage.prompt_tokens - 1
     metrics = agent.agent.service.metrics.registry
     labels = {"replica": "r1", "model": "smollm2"}

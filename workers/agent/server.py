@@ -20,6 +20,7 @@ from workers import tls
 from workers.agent.metrics import MetricsServer
 from workers.agent.service import NodeAgentService
 from workers.agent.store import ModelStore
+from workers.engine.process import PROMPT_CACHE_MIB
 from workers.tls import TLSFiles
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class AgentSettings:
     #: cannot speak mutual TLS (Kubernetes' grpc probe); "" for none.
     health_listen: str = ""
     stream_interval_ms: float = 20.0  # pieces of one stream closer than this are merged
-    prompt_cache_mib: int = 512  # host RAM per replica for prefixes out of slots; 0 for none
+    prompt_cache_mib: int = PROMPT_CACHE_MIB  # host RAM per replica; 0 for none
     drain_seconds: float = 30.0  # on SIGTERM, how long generations in flight may finish
     rpc_host: str = ""  # where rpc servers listen; "" for the host of `advertise`
     allow_public_rpc: bool = False  # let rpc servers bind a wildcard or public address

@@ -23,7 +23,7 @@ from workers.agent.store import ModelStore
 from workers.engine import errors
 from workers.engine.errors import EngineError
 from workers.engine.events import Token
-from workers.engine.process import EngineConfig, EngineProcess
+from workers.engine.process import PROMPT_CACHE_MIB, EngineConfig, EngineProcess
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         on_change: Callable[[], None] | None = None,
         stream_interval: float = 0.0,
         rpc_host: str = "127.0.0.1",
-        prompt_cache_bytes: int = 512 << 20,
+        prompt_cache_bytes: int = PROMPT_CACHE_MIB << 20,
         tls_files=None,
     ):
         self.node_name = node_name

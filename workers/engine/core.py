@@ -36,6 +36,7 @@ import llama_cpp as L
 from workers.engine import errors
 from workers.engine.errors import EngineError
 from workers.engine.events import Done, Error, Token
+from workers.engine.process import PROMPT_CACHE_MIB
 
 #: Same default as llama-cpp-python's Llama(n_batch=512): prompts decode in chunks of this.
 N_BATCH = 512
@@ -52,9 +53,7 @@ PROMPT_BUDGET = 64
 INVARIANT_ROWS = 4
 #: llama-cpp-python's default window for the repeat penalty.
 PENALTY_LAST_N = 64
-#: Host RAM for prefixes pushed out of slots, per engine (llama-server keeps 8 GiB per
-#: server); the agent's --prompt-cache-mib sets it.
-HOST_CACHE_BYTES = 512 << 20
+HOST_CACHE_BYTES = PROMPT_CACHE_MIB << 20  # the agent's --prompt-cache-mib sets it
 #: Fewest tokens a prefix must have to be worth a copy in host RAM.
 HOST_CACHE_MIN_TOKENS = 32
 
@@ -129,7 +128,6 @@ class HostCache:
         self.limit = max(0, int(limit_bytes))
         self.entries: list[_Saved] = []  # oldest first
         self.bytes = 0
-        self.restored = 0  # entries ever restored into a slot
 
     def holds(self, tokens: list[int]) -> bool:
         """True when an entry already has all of `tokens`."""
@@ -162,8 +160,8 @@ class HostCache:
         return best, n_best
 
     def take(self, entry: _Saved) -> None:
+        """Hand an entry to a slot: it leaves the cache."""
         self._drop(entry)
-        self.restored += 1
 
     def _drop(self, entry: _Saved) -> None:
         self.entries.remove(entry)

@@ -43,6 +43,12 @@ log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 
 
+#: Host RAM per replica for prompt prefixes pushed out of its slots (llama-server keeps
+#: 8 GiB per server): the agent's --prompt-cache-mib default, here because the agent side
+#: must not import the engine core (it loads llama.cpp).
+PROMPT_CACHE_MIB = 512
+
+
 @dataclass
 class EngineConfig:
     """What an engine process needs to load a model."""
@@ -59,7 +65,7 @@ class EngineConfig:
     split_mode: int = 1  # LLAMA_SPLIT_MODE_LAYER; 3 is tensor parallel
     tensor_split: list[float] = field(default_factory=list)
     batch_invariant: bool = False  # see BatchEngine
-    host_cache_bytes: int = 512 << 20  # host RAM for prefixes pushed out of slots
+    host_cache_bytes: int = PROMPT_CACHE_MIB << 20  # for prefixes pushed out of slots
 
 
 # ---- child side ----------------------------------------------------------------------
