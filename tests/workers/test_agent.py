@@ -223,10 +223,24 @@ def test_metrics_need_the_node_token_and_describe_replicas(model_store):
         running.close()
 
 
-def test_a_conversation_pushed_out_of_the_slots_is_restored_from_host_ram(agent, stub):
+def test_a_conversation_pushed_out_of_the_slots_is_restored_from_host_ram(agent, stub, monkeypatch):
     """A one-slot replica and two conversations taking turns over gRPC: the third turn's
-    history comes back from the agent's host-RAM prompt cache, and the metrics say so."""
+    history comes back from the agent's host-RAM prompt cache, and the metrics say so. The
+    part of the cache's budget not filled yet is reported as not available, so the planner
+    does not promise it to another replica."""
+    from workers.agent import system
+
+    gib = 1 << 30
+    monkeypatch.setattr(system, "meminfo", lambda: (16 * gib, 8 * gib))
+    budget = agent.agent.service.prompt_cache_bytes
+    assert budget > 0
+
+    def available() -> int:
+        return stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).memory_available_bytes
+
+    assert available() == 8 * gib
     load(stub, parallel=1, context_length=1024)
+    assert available() == 8 * gib - budget
     for messages in (OWLS, TRAINS):
         list(stub.RunInference(chat(messages=messages, max_tokens=8), metadata=AUTH))
     last = list(stub.RunInference(chat(messages=OWLS, max_tokens=8), metadata=AUTH))[-1]
@@ -238,7 +252,11 @@ def test_a_conversation_pushed_out_of_the_slots_is_restored_from_host_ram(agent,
         metrics.get_sample_value("llamafleet_agent_prompt_cache_host_tokens_total", labels)
         == last.usage.cached_tokens
     )
-    assert metrics.get_sample_value("llamafleet_agent_prompt_cache_host_bytes", labels) > 0
+    held = metrics.get_sample_value("llamafleet_agent_prompt_cache_host_bytes", labels)
+    assert held > 0
+    assert available() == 8 * gib - (budget - held)
+    stub.FreeMemory(pb.FreeMemoryRequest(replica_id="r1"), metadata=AUTH)
+    assert available() == 8 * gib
 
 
 def test_busy_engines_share_the_agents_cores_and_one_alone_takes_them_all(agent, stub):

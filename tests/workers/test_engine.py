@@ -602,8 +602,21 @@ def test_the_host_cache_drops_the_oldest_and_what_a_newer_entry_contains():
     assert cache.best(list(range(100, 130)), than=0, n_swa=8)[0] is None
     assert cache.best(list(range(100, 140)) + [0], than=0, n_swa=8)[1] == 40
     assert cache.best(list(range(100, 130)), than=0, n_swa=64)[1] == 30
+    taken = cache.entries[-1]
+    cache.take(taken)
+    assert taken not in cache.entries
+    # Its buffer is the spare for the next save, counted until then.
+    assert cache.spare is taken.data and cache.bytes == 260
+    reused = cache.buffer(8)
+    assert reused is taken.data and cache.spare is None and cache.bytes == 250
+    cache.add([5, 5], reused, 8)
+    assert cache.entries[-1].size == 8 and cache.bytes == 260
     cache.take(cache.entries[-1])
-    assert cache.bytes == 250
+    fresh = cache.buffer(4)  # the spare would waste more than half of itself
+    assert fresh is not reused and len(fresh) == 4 and cache.bytes == 250
+    cache.take(cache.entries[-1])  # [9, 9, 9]: a spare of 150 bytes
+    cache.add([4] * 4, data(200))  # no room: the spare goes before any entry
+    assert cache.spare is None and [e.tokens for e in cache.entries] == [[7, 8], [4] * 4]
 
 
 def test_common_prefix_finds_the_first_difference():

@@ -75,6 +75,16 @@ class Replica:
         #: Host RAM its engine's prompt cache held when a generation last ended.
         self.host_cache_bytes = 0
 
+    def host_cache_unfilled(self) -> int:
+        """Host RAM this replica's prompt cache may still take (its budget less what it
+        holds): reported as not available, so the planner does not give it to a new
+        replica that the cache would later crowd out. Splits and the invariant mode keep
+        no cache (BatchEngine)."""
+        c = self.engine.config
+        if c.rpc_servers or c.batch_invariant or self.engine.state not in ("loading", "ready"):
+            return 0
+        return max(0, c.host_cache_bytes - self.host_cache_bytes)
+
     def status(self) -> pb.ReplicaStatus:
         e = self.engine
         return pb.ReplicaStatus(
@@ -358,6 +368,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
 
     def status(self) -> pb.NodeStatus:
         total, available = system.meminfo()
+        available = max(0, available - sum(r.host_cache_unfilled() for r in self.replicas.values()))
         replicas = [r.status() for r in self.replicas.values()]
         return pb.NodeStatus(
             node_name=self.node_name,

@@ -112,37 +112,59 @@ class _Slot:
 
 @dataclass
 class _Saved:
-    """A sequence's KV state as llama.cpp serializes it, and the tokens it holds."""
+    """A sequence's KV state as llama.cpp serializes it (the first `size` bytes of `data`),
+    and the tokens it holds."""
 
     tokens: list[int]
     data: ctypes.Array
+    size: int
 
 
 class HostCache:
     """Prompt prefixes pushed out of slots, in host RAM: the same idea as llama-server's
     --cache-ram. Entries are whole sequences (llama_state_seq_get_data), oldest dropped first
     when over the limit; one that a newer entry contains is dropped as redundant, and an
-    entry restored into a slot leaves the cache (the slot has it now)."""
+    entry restored into a slot leaves the cache (the slot has it now).
+
+    The buffer of the entry restored last is kept as a spare for the next save: a fresh
+    buffer costs more than the copy itself (the kernel zeroes its pages, ctypes zeroes them
+    again), and a save usually comes right before a restore. `bytes` counts the spare too.
+    """
 
     def __init__(self, limit_bytes: int):
         self.limit = max(0, int(limit_bytes))
         self.entries: list[_Saved] = []  # oldest first
         self.bytes = 0
+        self.spare: ctypes.Array | None = None
 
     def holds(self, tokens: list[int]) -> bool:
         """True when an entry already has all of `tokens`."""
         return any(common_prefix(e.tokens, tokens) == len(tokens) for e in self.entries)
 
-    def add(self, tokens: list[int], data: ctypes.Array) -> None:
-        size = len(data)
-        if size > self.limit:
+    def buffer(self, size: int) -> ctypes.Array:
+        """A buffer for a state of `size` bytes: the spare when it fits without wasting
+        more than half of itself, else a new one (the spare is let go either way)."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            self.bytes -= len(spare)
+            if size <= len(spare) <= 2 * size:
+                return spare
+        return (ctypes.c_uint8 * size)()
+
+    def add(self, tokens: list[int], data: ctypes.Array, size: int | None = None) -> None:
+        """Keep the first `size` bytes of `data` (all of it by default) for `tokens`."""
+        held = len(data)
+        if held > self.limit:
             return
         for e in [e for e in self.entries if common_prefix(e.tokens, tokens) == len(e.tokens)]:
             self._drop(e)  # contained in the new one
-        while self.entries and self.bytes + size > self.limit:
+        if self.spare is not None and self.bytes + held > self.limit:
+            self.bytes -= len(self.spare)
+            self.spare = None
+        while self.entries and self.bytes + held > self.limit:
             self._drop(self.entries[0])
-        self.entries.append(_Saved(list(tokens), data))
-        self.bytes += size
+        self.entries.append(_Saved(list(tokens), data, held if size is None else size))
+        self.bytes += held
 
     def best(self, tokens: list[int], than: int, n_swa: int) -> tuple[_Saved | None, int]:
         """The entry sharing the longest prefix with `tokens`, if longer than `than`, and
@@ -160,8 +182,13 @@ class HostCache:
         return best, n_best
 
     def take(self, entry: _Saved) -> None:
-        """Hand an entry to a slot: it leaves the cache."""
+        """Hand an entry to a slot (after its state was read): it leaves the cache, and
+        its buffer becomes the spare."""
         self._drop(entry)
+        if self.spare is not None:
+            self.bytes -= len(self.spare)
+        self.spare = entry.data
+        self.bytes += len(entry.data)
 
     def _drop(self, entry: _Saved) -> None:
         self.entries.remove(entry)
@@ -672,7 +699,7 @@ class BatchEngine:
             L.llama_memory_seq_cp(mem, src.seq_id, seq, -1, -1)
         elif entry is not None:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
-            size = len(entry.data)
+            size = entry.size
             if L.llama_state_seq_set_data(self.ctx, entry.data, size, seq) != size:
                 reused = 0  # llama.cpp found no room or a mismatch: evaluate it all
             self.host.take(entry)
@@ -700,9 +727,9 @@ class BatchEngine:
         size = L.llama_state_seq_get_size(self.ctx, slot.seq_id)
         if not size or size > self.host.limit:
             return
-        data = (ctypes.c_uint8 * size)()
+        data = self.host.buffer(size)
         if L.llama_state_seq_get_data(self.ctx, data, size, slot.seq_id) == size:
-            self.host.add(tokens, data)
+            self.host.add(tokens, data, size)
 
     def _resume(self, seq: _Sequence, events: list[Token | Done | Error]) -> None:
         """Take over a generation: its tokens count as generated, unsent text is sent."""
