@@ -176,6 +176,28 @@ class Fleet:
             time.sleep(0.25)
         raise AssertionError(f"{what}: not within {seconds} s")
 
+    def diagnose(self, deployment: str) -> str:
+        """What a failed wait leaves to read: the deployment's replicas and latest events,
+        what the nodes report, and the last lines of the control plane's and agents' logs
+        (the stack's folder is a temporary one, gone after the run)."""
+        out = []
+        d = self.get(f"/api/v1/deployments/{deployment}/") or {}
+        out.append(f"{deployment}: {d.get('state')}, replicas: " + json.dumps(
+            [{k: r.get(k) for k in ("id", "node", "state", "error")}
+             for r in d.get("replica_set", ())]))  # fmt: skip
+        events = (self.get(f"/api/v1/deployments/{deployment}/events/") or {}).get("results", [])
+        out += [f"  event: {json.dumps(e)}" for e in events[:15]]
+        for n in (self.get("/api/v1/nodes/") or {}).get("results", []):
+            out.append(f"node {n['name']}: {n['state']}, heartbeat {n['heartbeat_age_seconds']}"
+                       f" s ago, replicas {json.dumps(n['reported_replicas'])}, rpc servers "
+                       f"{json.dumps(n['rpc_servers'])}")  # fmt: skip
+        for proc in ("worker", "agent", "agent2"):
+            path = self.stack.log_dir / f"{proc}.log"
+            lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+            lines = [x for x in lines if " Task apps." not in x][-30:]  # not Celery's own
+            out += [f"--- {proc}.log (last {len(lines)} lines)", *lines]
+        return "\n".join(out)
+
     def deployment(self) -> dict:
         return self.api(f"/api/v1/deployments/{DEPLOYMENT}/")
 
@@ -449,13 +471,19 @@ def split(fleet):
     assert resp.status_code == 202, resp.text
     f.expect = {DEPLOYMENT: 2, SPLIT: 1}
     try:
-        f.wait(f.healed, 240, "the split beside the replicas")
+        try:
+            f.wait(f.healed, 240, "the split beside the replicas")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{f.diagnose(SPLIT)}") from None
         yield f
     finally:
         f.expect = {DEPLOYMENT: 2}
         f.post(f"/api/v1/deployments/{SPLIT}/undeploy/", {})
-        f.wait(lambda: f.get(f"/api/v1/deployments/{SPLIT}/")["state"] == "stopped", 120,
-               "the split stopped")  # fmt: skip
+        try:
+            f.wait(lambda: f.get(f"/api/v1/deployments/{SPLIT}/")["state"] == "stopped", 120,
+                   "the split stopped")  # fmt: skip
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{f.diagnose(SPLIT)}") from None
         resp = httpx.delete(f"{f.urls[0]}/api/v1/deployments/{SPLIT}/", headers=f.headers)
         assert resp.status_code == 204, resp.text  # the next fault deploys it afresh
 
