@@ -28,7 +28,9 @@ The two-replica parts run on a restarted stack with the agent's default threads 
 cores): the agent divides them among the engines generating at the moment (one each while
 both are busy; two engines of all cores each would spin at every barrier).
 
-Writes bench/results/serving.json (or serving-<model>.json). Usage:
+Writes bench/results/serving.json (or serving-<model>.json): the last figures of each part,
+and under "history" each run's headline ratios (a part measured once proves little on a
+machine this noisy). Usage:
   .venv/bin/python bench/serving.py [--rounds 5] [--model smollm2|gemma] [--only a,b]
 """
 
@@ -436,19 +438,29 @@ def alternate(targets: list[Target], r: int) -> list[Target]:
 # ---- the measurements ------------------------------------------------------------------
 
 
+#: Cold prompts per round and target: the gap in time to first token is a few ms against
+#: run-to-run noise of 10-15 ms, so one probe a round says little.
+COLD_PROBES = 5
+
+
 async def single_stream(targets: list[Target], rounds: int, tokens: int) -> dict:
     rows = {t.name: {"decode": [], "cold_ttft": [], "prompt_tokens": 0} for t in targets}
+    pairs = []  # ours minus llama-server's, for cold prompts sent one right after the other
     async with http_client() as client:
         for t in targets:  # warm both
             await chat(client, t, story(0, "warm"), 8)
         for r in range(rounds):
+            for k in range(COLD_PROBES):
+                ttft = {}
+                for t in alternate(targets, r + k):
+                    cold = await chat(client, t, story(1, f"cold {r}.{k}"), 4, cache_prompt=False)
+                    rows[t.name]["cold_ttft"].append(ttft.setdefault(t.name, cold["ttft"]))
+                    rows[t.name]["prompt_tokens"] = cold["prompt_tokens"]
+                pairs.append(ttft["llamafleet"] - ttft["llama_server"])
             for t in alternate(targets, r):
-                cold = await chat(client, t, story(1, f"cold {r}"), 4, cache_prompt=False)
-                rows[t.name]["cold_ttft"].append(cold["ttft"])
                 warm = await chat(client, t, story(0, "single"), tokens)
                 rows[t.name]["decode"].append(warm["decode_tps"])
-                rows[t.name]["prompt_tokens"] = cold["prompt_tokens"]
-    out = {"rounds": rounds, "max_tokens": tokens}
+    out = {"rounds": rounds, "cold_probes_per_round": COLD_PROBES, "max_tokens": tokens}
     for name, v in rows.items():
         out[name] = {
             "decode_tokens_per_s": med(v["decode"]),
@@ -458,6 +470,9 @@ async def single_stream(targets: list[Target], rounds: int, tokens: int) -> dict
     f, s = out["llamafleet"], out["llama_server"]
     out["decode_ratio"] = f["decode_tokens_per_s"] / s["decode_tokens_per_s"]
     out["cold_ttft_difference_ms"] = f["cold_ttft_ms"] - s["cold_ttft_ms"]
+    # The median of the differences of probes sent back to back: noise that drifts over the
+    # run hits both sides of a pair alike.
+    out["cold_ttft_paired_difference_ms"] = 1000 * med(pairs)
     return out
 
 
@@ -465,6 +480,7 @@ async def concurrent(targets: list[Target], rounds: int, tokens: int, n: int = 8
     """Aggregate tokens/s and median TTFT of n streams at once; beside them, the CPU seconds
     each part of each target spent per 1,000 tokens over those rounds (where a gap goes)."""
     rows = {t.name: {"aggregate": [], "ttft": [], "single": []} for t in targets}
+    per_round = []  # our aggregate tokens/s over llama-server's, round by round
     cpu = {t.name: {} for t in targets}
     totals = {t.name: [0, 0.0] for t in targets}  # tokens, wall seconds
     async with http_client() as client:
@@ -486,6 +502,9 @@ async def concurrent(targets: list[Target], rounds: int, tokens: int, n: int = 8
                 totals[t.name][1] += wall
                 rows[t.name]["aggregate"].append(sum(x["tokens"] for x in many) / wall)
                 rows[t.name]["ttft"].append(med(x["ttft"] for x in many))
+            per_round.append(
+                rows["llamafleet"]["aggregate"][-1] / rows["llama_server"]["aggregate"][-1]
+            )
     out = {"rounds": rounds, "streams": n, "max_tokens": tokens}
     for name, v in rows.items():
         n_tokens, wall = totals[name]
@@ -505,6 +524,9 @@ async def concurrent(targets: list[Target], rounds: int, tokens: int, n: int = 8
             out[name]["aggregate_tokens_per_s"] / out[name]["one_stream_tokens_per_s"]
         )
     out["ratio"] = ratios(out["llamafleet"], out["llama_server"])
+    # Each round runs both targets one right after the other: the spread of these ratios is
+    # the noise a single run's ratio carries.
+    out["round_ratios"] = [round(x, 3) for x in per_round]
     return out
 
 
@@ -842,6 +864,56 @@ async def two_replicas(args, catalog_name: str, only) -> dict:
     return result
 
 
+#: The figures of each part that its targets are about (name: dotted path into the part),
+#: kept for every run in "history".
+_FAILOVER = {k: k for k in ("completed", "all_tokens_counted", "texts_equal_uninterrupted")}
+HEADLINES = {
+    "single_stream": {
+        "decode_ratio": "decode_ratio",
+        "cold_ttft_difference_ms": "cold_ttft_difference_ms",
+        "cold_ttft_paired_difference_ms": "cold_ttft_paired_difference_ms",
+    },
+    "concurrent_8": {
+        "tokens_per_s_ratio": "ratio.aggregate_tokens_per_s",
+        "median_ttft_ratio": "ratio.median_ttft_ms",
+        "round_ratios": "round_ratios",
+    },
+    "multi_turn_chat": {"later_turns_ttft_ratio": "ratio.later_turns_median_ttft_ms"},
+    "many_conversations": {"later_turns_ttft_ratio": "ratio.later_turns_median_ttft_ms"},
+    "prefix_routing": {
+        f"{short}_{name}": f"{workload}.prefix_over_least_connections.{key}"
+        for short, workload in (
+            ("distinct", "distinct_system_prompts"),
+            ("shared", "shared_system_prompt"),
+        )
+        for name, key in (
+            ("ttft_ratio", "later_turns_median_ttft_ms"),
+            ("tokens_per_s_ratio", "aggregate_tokens_per_s"),
+        )
+    },
+    "failover_throughput": _FAILOVER,
+    "failover_invariant": _FAILOVER,
+}
+
+
+def headlines(result: dict) -> dict:
+    """This run's headline figures, by part."""
+    out = {}
+    for part, figures in HEADLINES.items():
+        if not isinstance(result.get(part), dict):
+            continue
+        out[part] = {}
+        for name, path in figures.items():
+            value = result[part]
+            for k in path.split("."):
+                value = value.get(k) if isinstance(value, dict) else None
+            if isinstance(value, (int, float)):
+                out[part][name] = round(value, 3)
+            elif isinstance(value, list):
+                out[part][name] = value
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
@@ -879,10 +951,15 @@ def main() -> None:
     for part in result.values():
         if isinstance(part, dict):
             part["measured_at"] = stamp
-    if args.only and out.exists():  # a part measured again replaces its old figures
-        result = json.loads(out.read_text()) | result
-        if "two_replica_threads" in result:  # the older runs' fixed one thread an engine
-            result.pop("two_replica_threads_per_engine", None)
+    old = json.loads(out.read_text()) if out.exists() else {}
+    run = {"measured_at": stamp, "parts": args.only or "all", **headlines(result)}
+    history = old.get("history", []) + [run]
+    # A part measured again replaces its old figures; parts this run did not measure (the
+    # runs with the host cache off, say) keep theirs, with their own measured_at.
+    result = old | result
+    if "two_replica_threads" in result:  # the older runs' fixed one thread an engine
+        result.pop("two_replica_threads_per_engine", None)
+    result["history"] = history
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
