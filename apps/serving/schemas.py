@@ -12,7 +12,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
@@ -107,14 +106,14 @@ class _Sampling(_Strict):
         True, description="llama.cpp's: reuse the cached prefix of an earlier prompt."
     )
     user: Annotated[str, Field(max_length=256)] | None = None
-    presence_penalty: Literal[0] | None = Field(None, description="Only 0 is supported.")
-    frequency_penalty: Literal[0] | None = Field(None, description="Only 0 is supported.")
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = Field(
+        None, description="Lowers every token already generated (of the last 64) by this much."
+    )
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = Field(
+        None,
+        description="Lowers a token by this much for each time it was generated (of the last 64).",
+    )
     logit_bias: Annotated[dict[str, Any], Field(max_length=0)] | None = None
-
-    @field_validator("presence_penalty", "frequency_penalty", mode="before")
-    @classmethod
-    def _zero(cls, v):
-        return 0 if isinstance(v, float) and v == 0 else v
 
     def params(self, **fields) -> GenerationParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -125,6 +124,8 @@ class _Sampling(_Strict):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             seed=None if self.seed in (None, -1) else self.seed % 2**64,
             stop=stop,
             cache_prompt=self.cache_prompt,
@@ -374,8 +375,6 @@ def bad_request(exc: ValidationError) -> ServingError:
 
 _UNSUPPORTED = {
     "response_format": "response_format is text, json_object or json_schema",
-    "presence_penalty": "only 0 is supported; use repeat_penalty",
-    "frequency_penalty": "only 0 is supported; use repeat_penalty",
     "logit_bias": "logit_bias is not implemented",
     "echo": "echo is not implemented",
     "best_of": "only best_of=1 is supported",

@@ -126,6 +126,8 @@ class GenerationParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's, over the last generated tokens
+    frequency_penalty: float = 0.0
     cache_prompt: bool = True  # llama-server's name: reuse a cached prefix of the prompt
     json_schema: str = ""  # structured output: the schema the answer must match, as JSON
     logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the k likeliest
@@ -159,6 +161,8 @@ class GenerationParams:
                 seed=self.seed or 0,
                 has_seed=self.seed is not None,
                 repeat_penalty=self.repeat_penalty,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
             ),
             stop=self.stop,
             resume=resume,

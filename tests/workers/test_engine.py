@@ -137,6 +137,46 @@ def test_concurrent_sequences_each_equal_their_solo_run(invariant, reference_tex
     assert free_slots(engine) == engine.parallel  # every slot came back
 
 
+def test_presence_and_frequency_penalties_match_llama_in_process(invariant, reference_llama):
+    """OpenAI's two penalties go to llama.cpp's penalties sampler as llama-cpp-python's Llama
+    sends them (the last 64 generated tokens): the same greedy text, and not the text
+    without them."""
+    engine = invariant
+    messages = [{"role": "user", "content": "Repeat the word 'owl' twenty times."}]
+    penalized = Sampling(temperature=0, presence_penalty=0.5, frequency_penalty=1.5)
+    reqs = [
+        Request("plain", chat_tokens(engine, messages), 40, GREEDY),
+        Request("penalized", chat_tokens(engine, messages), 40, penalized),
+    ]
+    texts, _, errors = run(engine, reqs)
+    assert not errors
+    ref = reference_llama.create_chat_completion(
+        messages, temperature=0, max_tokens=40, presence_penalty=0.5, frequency_penalty=1.5
+    )["choices"][0]["message"]["content"]
+    assert texts["penalized"] == ref
+    assert texts["penalized"] != texts["plain"]
+
+
+def test_a_request_whose_sampler_fails_fails_alone(engine, monkeypatch, reference_text):
+    """A request whose sampler cannot be made (a wrong ctypes call once took the whole engine
+    process down for any repeat_penalty) ends with an error; the requests beside it go on."""
+    made = engine._new_sampler
+
+    def new_sampler(s: Sampling):
+        if s.seed == 666:
+            raise TypeError("this function takes at least 5 arguments (4 given)")
+        return made(s)
+
+    monkeypatch.setattr(engine, "_new_sampler", new_sampler)
+    bad = Request("bad", chat_tokens(engine), 8, Sampling(temperature=0.7, seed=666))
+    good = Request("good", chat_tokens(engine), 8, GREEDY)
+    texts, done, errors = run(engine, [bad, good])
+    assert list(errors) == ["bad"] and "sampler" in errors["bad"].message
+    assert errors["bad"].code == codes.UNSPECIFIED  # the engine's fault: not a 400
+    assert texts["good"] == reference_text(CHAT, 8) and done["good"].reason in ("stop", "length")
+    assert free_slots(engine) == engine.parallel
+
+
 def test_max_tokens_ends_with_length(engine):
     tokens = chat_tokens(engine, [{"role": "user", "content": "Write a long story."}])
     _, done, _ = run(engine, [Request("x", tokens, 5, GREEDY)])

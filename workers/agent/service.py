@@ -411,6 +411,8 @@ def inference_payload(request: pb.InferenceRequest) -> dict:
         "top_p": s.top_p if 0 < s.top_p < 1 else 1.0,
         "top_k": s.top_k,
         "repeat_penalty": s.repeat_penalty or 1.0,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
         "seed": s.seed if s.has_seed else None,
     }
     return {

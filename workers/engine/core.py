@@ -28,6 +28,7 @@ import dataclasses
 import math
 import random
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -68,13 +69,24 @@ class Sampling:
     min_p: float = 0.05
     seed: int | None = None
     repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     grammar: str = ""  # GBNF the output must match (structured outputs); "" for none
 
     @property
     def argmax(self) -> bool:
         """Greedy with nothing that reads history: the likeliest token, taken straight from
         the logits (see BatchEngine._greedy)."""
-        return self.temperature <= 0.0 and self.repeat_penalty in (0.0, 1.0) and not self.grammar
+        return self.temperature <= 0.0 and not self.penalized and not self.grammar
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the tokens generated so far."""
+        return (
+            self.repeat_penalty not in (0.0, 1.0)
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 @dataclass
@@ -572,9 +584,16 @@ class BatchEngine:
     def _new_sampler(self, s: Sampling):
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         # Mirrors llama-cpp-python's Llama._init_sampler so that results match it.
-        if s.repeat_penalty and s.repeat_penalty != 1.0:
+        if s.penalized:
             L.llama_sampler_chain_add(
-                chain, L.llama_sampler_init_penalties(PENALTY_LAST_N, s.repeat_penalty, 0.0, 0.0)
+                chain,
+                L.llama_sampler_init_penalties(
+                    self.n_vocab,
+                    PENALTY_LAST_N,
+                    s.repeat_penalty or 1.0,
+                    s.frequency_penalty,
+                    s.presence_penalty,
+                ),
             )
         if s.temperature <= 0.0:
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
@@ -594,6 +613,9 @@ class BatchEngine:
             if len(free) < self.waiting[0].n:
                 return
             req = self.waiting.popleft()
+            samplers = self._samplers(req, events)
+            if samplers is None:
+                continue
             room = self.context_length - len(req.prompt_tokens)
             limit = min(req.max_tokens, room) if req.max_tokens > 0 else room
             prefill = req.prompt_tokens + req.resume_tokens
@@ -601,10 +623,8 @@ class BatchEngine:
             seq = _Sequence(
                 req=req,
                 seq_id=slot.seq_id,
-                sampler=self._new_sampler(req.sampling),
-                grammar=self._grammar_sampler(req.sampling.grammar)
-                if req.sampling.grammar
-                else None,
+                sampler=samplers[0],
+                grammar=samplers[1],
                 limit=limit,
                 prefill=prefill,
                 prefill_pos=reused,
@@ -618,6 +638,23 @@ class BatchEngine:
                 self._resume(seq, events)
             for k in range(1, req.n):
                 self._add_choice(seq, k)
+
+    def _samplers(self, req: Request, events: list[Token | Done | Error]) -> tuple | None:
+        """The request's sampler chain and grammar sampler; None, with an Error event for
+        it, when they cannot be made. One request's settings must never end the engine
+        process and every stream in it (an exception here would), whatever the cause."""
+        sampler = None
+        try:
+            sampler = self._new_sampler(req.sampling)
+            grammar = self._grammar_sampler(req.sampling.grammar) if req.sampling.grammar else None
+            return sampler, grammar
+        except Exception as exc:
+            if sampler is not None:
+                L.llama_sampler_free(sampler)
+            traceback.print_exc()  # the agent's log: this is the engine's fault, not the caller's
+            code = exc.code if isinstance(exc, EngineError) else errors.UNSPECIFIED
+            events.append(Error(req.request_id, code, f"the sampler could not be set up: {exc}"))
+            return None
 
     def _add_choice(self, first: _Sequence, k: int) -> None:
         """Choice k of a request: its own slot and sampler (seed + k), waiting for the first

@@ -82,6 +82,27 @@ async def test_text_completion(deployed, alice_key, reference_llama):
     assert resp.json()["choices"][0]["finish_reason"] == "length"
 
 
+async def test_penalties_reach_the_engine(deployed, alice_key):
+    """presence_penalty, frequency_penalty and repeat_penalty travel through the API, gRPC and
+    the agent to the engine's sampler: greedy decoding that repeats a word without them
+    stops repeating it with any of them (their numbers against llama-cpp-python's are the
+    engine tests'; this replica's batching numerics differ from Llama's in the last bits)."""
+
+    async def teas(**penalties) -> int:
+        resp = await post(
+            alice_key,
+            {"model": SMOLLM2, "prompt": "tea, tea, tea, tea, tea, tea,", "temperature": 0,
+             "max_tokens": 24, **penalties},
+            "/v1/completions",
+        )  # fmt: skip
+        assert resp.status_code == 200, resp.content
+        return resp.json()["choices"][0]["text"].lower().count("tea")
+
+    assert await teas() >= 10
+    assert await teas(presence_penalty=1.0, frequency_penalty=2.0) <= 3
+    assert await teas(repeat_penalty=1.3) <= 3  # this once ended the engine process
+
+
 async def test_models_lists_what_is_deployed(deployed, alice_key):
     resp = await AsyncClient().get("/v1/models", headers=auth(alice_key))
     assert [m["id"] for m in resp.json()["data"]] == [SMOLLM2]
