@@ -40,13 +40,16 @@ TRAINS = [{"role": "user", "content": "Tell me about trains. " * 10}]
 @pytest.fixture(autouse=True)
 def _heartbeats_start_afresh():
     """Each test's database starts empty: so must the web process's memory of which nodes
-    it recorded in full (a node of an earlier test would have its report buffered)."""
+    it recorded in full (a node of an earlier test would have its report buffered), and of
+    which replicas are ready (a table of an earlier test routes for up to 30 s)."""
     from apps.nodes import services
+    from apps.serving import routing_table
     from controlplane.redis import sync_client
 
     def forget():
         services._recorded.clear()
         sync_client().delete(services._buffer_key())
+        routing_table.invalidate()
 
     forget()
     yield

@@ -210,11 +210,11 @@ class Finished:
 
 
 async def ready_targets(
-    model_name: str, exclude: set[str] = frozenset(), hashes: list[str] = ()
+    model_name: str, exclude: set[str] = frozenset(), hashes: list[str] = (), fresh: bool = False
 ) -> list[Target]:
     """Ready replicas on ready, open nodes serving the model, in the order to try them
-    (hashes: the prompt's prefix hashes, for the prefix policy)."""
-    rows = [Target(*row) for row in await routing_table.ready_rows(model_name)]
+    (hashes: the prompt's prefix hashes, for the prefix policy; fresh: not from the cache)."""
+    rows = [Target(*row) for row in await routing_table.ready_rows(model_name, fresh)]
     rows = [t for t in rows if t.replica_id not in exclude]
     if not rows:
         return rows
@@ -442,12 +442,16 @@ class _Slot:
             metrics.IN_FLIGHT.labels(self.model).dec()
 
 
-async def _targets_or_error(model: str, hashes: list[str] = ()) -> list[Target]:
-    targets = await ready_targets(model, hashes=hashes)
+async def _targets_or_error(
+    model: str, hashes: list[str] = (), exclude: set[str] = frozenset(), fresh: bool = False
+) -> list[Target]:
+    """Where to send a request (see ready_targets); a model with none ready wakes if it
+    scales to zero, else the request ends with 503 no_replica, or 404 for no such model."""
+    targets = await ready_targets(model, exclude, hashes, fresh)
     if not targets and await CatalogModel.objects.filter(name=model).aexists():
         try:  # scaled to zero? then wait for the replica the request wakes
             targets = await cold_start.wait_for_targets(
-                model, lambda: ready_targets(model, hashes=hashes)
+                model, lambda: ready_targets(model, exclude, hashes)
             )
         except cold_start.ColdStartError as exc:
             raise ServingError.no_replica(exc.message, exc.retry_after) from None
@@ -541,26 +545,37 @@ async def _first_that_answers(model: str, targets: list[Target], attempt, key: s
     raised. Returns (target, balancer key, answer): the caller releases the key when done.
     """
     last: ServingError | None = None
-    for n, target in enumerate(targets[:MAX_ATTEMPTS], 1):
-        slot = f"{key}:{n}:{uuid.uuid4().hex[:8]}"
-        balancer.acquire(target.replica_id, slot)
-        try:
-            return target, slot, await attempt(target)
-        except grpc.aio.AioRpcError as exc:
-            balancer.release(target.replica_id, slot)
-            last = _error_from_rpc(exc)
-            lost = _replica_lost(exc)
-            if not (lost or last.code == "overloaded"):
-                raise last from None
-            if lost:
-                routing_table.invalidate()
-            metrics.RETRIES.labels(model).inc()
-        except ServingError as exc:
-            balancer.release(target.replica_id, slot)
-            last = exc
-        except BaseException:
-            balancer.release(target.replica_id, slot)
-            raise
+    tried: set[str] = set()
+    gone = reread = False
+    while len(tried) < MAX_ATTEMPTS:
+        for target in targets[: MAX_ATTEMPTS - len(tried)]:
+            tried.add(target.replica_id)
+            slot = f"{key}:{len(tried)}:{uuid.uuid4().hex[:8]}"
+            balancer.acquire(target.replica_id, slot)
+            try:
+                return target, slot, await attempt(target)
+            except grpc.aio.AioRpcError as exc:
+                balancer.release(target.replica_id, slot)
+                last = _error_from_rpc(exc)
+                lost = _replica_lost(exc)
+                if not (lost or last.code == "overloaded"):
+                    raise last from None
+                if lost:
+                    gone = True
+                    routing_table.invalidate()
+                metrics.RETRIES.labels(model).inc()
+            except ServingError as exc:
+                balancer.release(target.replica_id, slot)
+                last = exc
+            except BaseException:
+                balancer.release(target.replica_id, slot)
+                raise
+        if reread or not gone:
+            break
+        # Replicas the table named were gone: it may be older than a change made elsewhere
+        # (see routing_table). Once, try those a table read afresh names.
+        reread = True
+        targets = await _targets_or_error(model, exclude=tried, fresh=True)
     raise last or ServingError.replica_failed("no replica could serve the request")
 
 
