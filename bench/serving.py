@@ -370,13 +370,15 @@ async def chat(
         **extra,
     }
     start = time.perf_counter()
-    first, pieces, usage = None, [], None
+    first, pieces, usage, lines = None, [], None, []
     async with client.stream(
         "POST", t.url + "/v1/chat/completions", json=body, headers=t.headers
     ) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"{t.name}: HTTP {resp.status_code}: {await resp.aread()}")
         async for line in resp.aiter_lines():
+            if line:
+                lines.append(line)
             if not line.startswith("data: {"):
                 continue
             data = json.loads(line[6:])
@@ -393,7 +395,10 @@ async def chat(
                     progress[0] += 1
     end = time.perf_counter()
     if usage is None or first is None:
-        raise RuntimeError(f"{t.name}: no usage or no text in the stream")
+        raise RuntimeError(
+            f"{t.name}: no usage or no text in the stream ({len(lines)} lines, the last: "
+            f"{lines[-3:]}, headers {dict(resp.headers)})"
+        )
     n = usage["completion_tokens"]
     details = usage.get("prompt_tokens_details") or {}
     return {
