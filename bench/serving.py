@@ -459,7 +459,8 @@ async def single_stream(targets: list[Target], rounds: int, tokens: int) -> dict
                 ttft = {}
                 for t in alternate(targets, r + k):
                     cold = await chat(client, t, story(1, f"cold {r}.{k}"), 4, cache_prompt=False)
-                    rows[t.name]["cold_ttft"].append(ttft.setdefault(t.name, cold["ttft"]))
+                    ttft[t.name] = cold["ttft"]
+                    rows[t.name]["cold_ttft"].append(cold["ttft"])
                     rows[t.name]["prompt_tokens"] = cold["prompt_tokens"]
                 pairs.append(ttft["llamafleet"] - ttft["llama_server"])
             for t in alternate(targets, r):

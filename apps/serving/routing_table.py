@@ -15,7 +15,7 @@ before routing.
 
 A replica that went away meanwhile is skipped like any failed replica (the request goes to
 the next one, and when every one it knew of failed, to those of a table read afresh; see
-services.start_generation), and an empty answer is never cached, so a deployment that
+services._first_that_answers), and an empty answer is never cached, so a deployment that
 just became ready is served at once.
 """
 

@@ -546,8 +546,14 @@ async def _first_that_answers(model: str, targets: list[Target], attempt, key: s
     """
     last: ServingError | None = None
     tried: set[str] = set()
-    gone = reread = False
-    while len(tried) < MAX_ATTEMPTS:
+    gone = False
+    for reread in (False, True):
+        if reread:
+            if not gone or len(tried) >= MAX_ATTEMPTS:
+                break
+            # Replicas the table named were gone: it may be older than a change made
+            # elsewhere (see routing_table). Once, try those of a table read afresh.
+            targets = await _targets_or_error(model, exclude=tried, fresh=True)
         for target in targets[: MAX_ATTEMPTS - len(tried)]:
             tried.add(target.replica_id)
             slot = f"{key}:{len(tried)}:{uuid.uuid4().hex[:8]}"
@@ -570,12 +576,6 @@ async def _first_that_answers(model: str, targets: list[Target], attempt, key: s
             except BaseException:
                 balancer.release(target.replica_id, slot)
                 raise
-        if reread or not gone:
-            break
-        # Replicas the table named were gone: it may be older than a change made elsewhere
-        # (see routing_table). Once, try those a table read afresh names.
-        reread = True
-        targets = await _targets_or_error(model, exclude=tried, fresh=True)
     raise last or ServingError.replica_failed("no replica could serve the request")
 
 

@@ -12,6 +12,7 @@ cut for a while (iptables drops the stage's port; the agents share this machine'
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -165,7 +166,8 @@ class Fleet:
         return httpx.post(self.urls[0] + path, json=body, headers=self.headers, timeout=30)
 
     @staticmethod
-    def wait(ready, seconds: float, what: str) -> float:
+    def wait(ready, seconds: float, what: str, explain=None) -> float:
+        """Seconds until ready() holds; else an AssertionError, with explain()'s text."""
         start = time.monotonic()
         while time.monotonic() - start < seconds:
             try:
@@ -174,7 +176,8 @@ class Fleet:
             except (httpx.HTTPError, AssertionError, KeyError, TypeError):
                 pass
             time.sleep(0.25)
-        raise AssertionError(f"{what}: not within {seconds} s")
+        detail = f"\n{explain()}" if explain is not None else ""
+        raise AssertionError(f"{what}: not within {seconds} s{detail}")
 
     def diagnose(self, deployment: str) -> str:
         """What a failed wait leaves to read: the deployment's replicas and latest events,
@@ -470,20 +473,15 @@ def split(fleet):
     })  # fmt: skip
     assert resp.status_code == 202, resp.text
     f.expect = {DEPLOYMENT: 2, SPLIT: 1}
+    explain = functools.partial(f.diagnose, SPLIT)
     try:
-        try:
-            f.wait(f.healed, 240, "the split beside the replicas")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{f.diagnose(SPLIT)}") from None
+        f.wait(f.healed, 240, "the split beside the replicas", explain)
         yield f
     finally:
         f.expect = {DEPLOYMENT: 2}
         f.post(f"/api/v1/deployments/{SPLIT}/undeploy/", {})
-        try:
-            f.wait(lambda: f.get(f"/api/v1/deployments/{SPLIT}/")["state"] == "stopped", 120,
-                   "the split stopped")  # fmt: skip
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{f.diagnose(SPLIT)}") from None
+        f.wait(lambda: f.get(f"/api/v1/deployments/{SPLIT}/")["state"] == "stopped", 120,
+               "the split stopped", explain)  # fmt: skip
         resp = httpx.delete(f"{f.urls[0]}/api/v1/deployments/{SPLIT}/", headers=f.headers)
         assert resp.status_code == 204, resp.text  # the next fault deploys it afresh
 
