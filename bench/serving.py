@@ -32,6 +32,8 @@ Writes bench/results/serving.json (or serving-<model>.json): the last figures of
 and under "history" each run's headline ratios (a part measured once proves little on a
 machine this noisy). Usage:
   .venv/bin/python bench/serving.py [--rounds 5] [--model smollm2|gemma] [--only a,b]
+BENCH_LOG_LEVEL=INFO keeps the stack's migrations and retries in var/bench/log/ (to diagnose
+a run; it costs the serving path time).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ ENV = dict(
     REDIS_URL="redis://127.0.0.1:6379/3",
     LLAMAFLEET_DEFAULT_PARALLEL=str(SLOTS),
     LLAMAFLEET_DEFAULT_CONTEXT=str(CONTEXT),
-    LLAMAFLEET_LOG_LEVEL="WARNING",
+    LLAMAFLEET_LOG_LEVEL=os.environ.get("BENCH_LOG_LEVEL", "WARNING"),
 )
 TOPICS = [
     "a dragon who learns to sail",

@@ -23,13 +23,18 @@ if ! (exec 3<>"/dev/tcp/$rhost/$rport" && printf 'PING\r\n' >&3 && head -c5 <&3 
 fi
 
 # The console's browser tests drive Debian's chromium (Playwright's own download has no host
-# to come from here); the deploy tests check docker-compose.yml with Debian's docker-compose.
-for tool in chromium docker-compose; do
-  if [ ! -x "/usr/bin/$tool" ]; then
+# to come from here); the deploy tests check docker-compose.yml with Debian's docker-compose;
+# the fault battery cuts a split's link with iptables (skipped where it cannot be installed).
+for tool in chromium docker-compose iptables; do
+  if ! command -v "$tool" >/dev/null && [ ! -x "/usr/sbin/$tool" ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
       echo "Installing Debian's $tool for the tests"
       export DEBIAN_FRONTEND=noninteractive
-      apt-get install -y -q "$tool" >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q "$tool" >/dev/null; }
+      apt-get install -y -q "$tool" >/dev/null \
+        || { apt-get update -q >/dev/null && apt-get install -y -q "$tool" >/dev/null; } \
+        || [ "$tool" = iptables ]
+    elif [ "$tool" = iptables ]; then
+      echo "Without iptables the fault battery skips its link cut: sudo apt-get install iptables"
     else
       echo "The tests need /usr/bin/$tool: sudo apt-get install $tool" >&2
       exit 1

@@ -144,6 +144,34 @@ def test_killed_engine_fails_the_stream_the_agent_survives_and_reloads(agent, st
     assert text == reference_text(CHAT, 48)
 
 
+def test_a_request_reaching_an_engine_that_just_died_fails_as_the_replicas_failure(agent, stub):
+    """Between an engine's death and the agent reading its pipe's end, the replica still
+    looks ready: a request sent then must fail as ENGINE_FAILED (UNAVAILABLE), which the
+    control plane retries elsewhere, not as an unexpected BrokenPipeError (UNKNOWN)."""
+    from workers.agent.service import inference_payload
+    from workers.engine import errors as codes
+    from workers.engine.errors import EngineError
+
+    load(stub)
+    engine = agent.agent.service.replicas["r1"].engine
+
+    async def kill_then_generate():
+        os.kill(engine.pid, signal.SIGKILL)
+        engine._proc.join(10)  # blocks the agent's loop: the pipe's end is not read yet
+        assert engine.state == "ready"
+        try:
+            async for _ in engine.generate(inference_payload(chat())):
+                pass
+        except EngineError as exc:
+            return exc
+        return None
+
+    err = agent.call(kill_then_generate())
+    assert err is not None and err.code == codes.ENGINE_FAILED, err
+    wait_for(lambda: engine.state == "failed", timeout=10)  # then the exit is read as before
+    assert "SIGKILL" in engine.error
+
+
 def test_corrupt_or_missing_model_file_fails_clearly(agent, stub, smollm2_path, model_store):
     import hashlib
 

@@ -494,8 +494,15 @@ class EngineProcess:
             self._on_state_change(self)
 
     def _send(self, msg) -> None:
+        """Raises EngineError (ENGINE_FAILED) when the process is gone. Its pipe closes the
+        moment it dies, before the loop reads the end and _on_gone fails its streams: a
+        request sent in between is the dead replica's failure (the caller tries another
+        replica), not an unexpected error the caller would pass on to its client."""
         # Only coroutines on the agent's loop send, so sends never interleave.
-        self._conn.send(msg)
+        try:
+            self._conn.send(msg)
+        except OSError as exc:
+            raise EngineError(errors.ENGINE_FAILED, f"the engine process is gone ({exc})") from None
 
     def set_threads(self, n: int) -> None:
         """Decode with n threads from the engine's next step on."""
@@ -503,7 +510,7 @@ class EngineProcess:
             self.threads = n
             try:
                 self._send(Threads(n))
-            except OSError:  # the process is gone; _on_gone says so
+            except EngineError:  # the process is gone; _on_gone says so
                 pass
 
     def _busy(self, delta: int) -> None:
@@ -548,7 +555,7 @@ class EngineProcess:
                 # The caller went away: free the slot now, not at the end of the text.
                 try:
                     self._send(Cancel(rid))
-                except OSError:
+                except EngineError:
                     pass
             self._busy(-1)
 
@@ -583,7 +590,7 @@ class EngineProcess:
         if self._proc.is_alive():
             try:
                 self._send(Shutdown())
-            except OSError:
+            except EngineError:
                 pass
             # join() blocks: wait in a thread so the agent keeps serving other replicas.
             await asyncio.to_thread(self._proc.join, timeout)
