@@ -10,6 +10,7 @@ What crosses the pipe is defined in workers.engine.events.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -508,10 +509,8 @@ class EngineProcess:
         """Decode with n threads from the engine's next step on."""
         if n != self.threads and self.state == "ready":
             self.threads = n
-            try:
+            with contextlib.suppress(EngineError):  # the process is gone; _on_gone says so
                 self._send(Threads(n))
-            except EngineError:  # the process is gone; _on_gone says so
-                pass
 
     def _busy(self, delta: int) -> None:
         self.generating += delta
@@ -553,10 +552,8 @@ class EngineProcess:
             del self._streams[rid]
             if not finished and self.state == "ready":
                 # The caller went away: free the slot now, not at the end of the text.
-                try:
+                with contextlib.suppress(EngineError):
                     self._send(Cancel(rid))
-                except EngineError:
-                    pass
             self._busy(-1)
 
     async def tokenize(self, payload: dict) -> tuple[list[int], int]:
@@ -588,10 +585,8 @@ class EngineProcess:
         if self._proc is None:
             return
         if self._proc.is_alive():
-            try:
+            with contextlib.suppress(EngineError):
                 self._send(Shutdown())
-            except EngineError:
-                pass
             # join() blocks: wait in a thread so the agent keeps serving other replicas.
             await asyncio.to_thread(self._proc.join, timeout)
             self._kill()
