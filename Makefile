@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO := proto/llamafleet/agent/v1/agent.proto
 
-.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-batching bench-cores bench-soak bench-fleet bench-coldstart bench-console llama-server
+.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-batching bench-cores bench-soak bench-fleet bench-coldstart bench-console llama-server nginx
 
 setup: $(VENV)/.installed
 
@@ -37,14 +37,20 @@ proto: setup
 check-proto: setup
 	scripts/check_proto.sh $(PY)
 
-# The serving benchmark compares with llama.cpp's own llama-server, built once under var/.
+# The serving benchmark compares with llama.cpp's own llama-server, built once under var/,
+# and for two replicas with two llama-servers behind nginx's least_conn (Debian's nginx-light,
+# installed as root; without it that comparison is skipped with a message).
 llama-server: setup
 	scripts/build_llama_server.sh $(PY)
 
-bench: llama-server
+nginx:
+	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || [ "$$(id -u)" != 0 ] \
+	  || DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >/dev/null || true
+
+bench: llama-server nginx
 	$(PY) bench/serving.py
 
-bench-gemma: llama-server
+bench-gemma: llama-server nginx
 	$(PY) bench/serving.py --model gemma
 
 # Needs root (network namespaces) and the test model cache (run `make test` once).

@@ -19,8 +19,10 @@ llama-server's figure from the same run:
   each history has left its slot before its next turn; median time to first token of turns
   2-4 (llama-server keeps pushed-out prompts in host RAM, --cache-ram 8 GiB by default;
   LlamaFleet's agent in its own host cache, --prompt-cache-mib);
-- LlamaFleet only, two replicas: 16 interleaved conversations under the prefix routing
-  policy against least connections;
+- two replicas: 16 interleaved conversations under the prefix routing policy against least
+  connections, and against what a user would run instead, two llama-servers (one thread
+  each) behind nginx's least_conn (skipped, with a message, where nginx is not installed:
+  `apt-get install nginx-light`);
 - LlamaFleet only: 20 streams over 2 replicas, one engine SIGKILLed mid-flight, in the
   default (throughput) mode and in the batch-invariant mode.
 
@@ -44,6 +46,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -273,6 +276,81 @@ class LlamaServer:
         self.proc.terminate()
         self.proc.wait(10)
         self.log.close()
+
+
+#: The user's own two-replica setup: two llama-servers behind nginx's least_conn.
+PROXY_PORT, PAIR_PORTS = 8300, (8201, 8202)
+_NGINX_CONF = """daemon off;
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir}/body;
+  proxy_temp_path {dir}/proxy;
+  upstream llama_servers {{
+    least_conn;
+{servers}
+  }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://llama_servers;
+      proxy_http_version 1.1;
+      proxy_buffering off;
+      proxy_read_timeout 600s;
+    }}
+  }}
+}}
+"""
+
+
+def nginx_binary() -> str | None:
+    """Debian's nginx is in /usr/sbin, which a user's PATH may not hold."""
+    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
+
+
+class LeastConnPair:
+    """What a user would build from llama-server for two replicas: two llama-servers (one
+    thread each, as two one-core machines; both busy, that is their best count on this
+    machine, bench/results/cores.json) behind nginx's least_conn, which sends a request to
+    the upstream with the fewest active requests. Needs nginx (`apt-get install
+    nginx-light`); without it the routing part says so and measures our own policies only."""
+
+    def __init__(self, model: Path, template_args: list[str]):
+        self.servers = [LlamaServer(model, template_args, port=p, threads=1) for p in PAIR_PORTS]
+        conf_dir = VAR / "nginx"
+        conf_dir.mkdir(parents=True, exist_ok=True)
+        servers = "\n".join(f"    server 127.0.0.1:{p};" for p in PAIR_PORTS)
+        conf = conf_dir / "nginx.conf"
+        conf.write_text(_NGINX_CONF.format(dir=conf_dir, servers=servers, port=PROXY_PORT))
+        self.url = f"http://127.0.0.1:{PROXY_PORT}"
+        self.proc = subprocess.Popen(
+            [nginx_binary(), "-p", str(conf_dir), "-c", str(conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=open(conf_dir / "stderr.log", "w"),  # noqa: SIM115 (nginx keeps it)
+        )
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                self.stop()
+                raise SystemExit(f"nginx exited; see {conf_dir}/error.log")
+            time.sleep(0.2)
+        self.stop()
+        raise SystemExit("nginx did not answer")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        for ls in self.servers:
+            ls.stop()
 
 
 # ---- one client for both --------------------------------------------------------------
@@ -639,32 +717,39 @@ def set_policy(deployment: str, policy: str) -> None:
     time.sleep(1.5)  # the web process's routing table lives 1 s
 
 
-async def routing(fleet: Target, key: str, deployment: str, rounds: int) -> dict:
+async def routing(
+    fleet: Target, key: str, deployment: str, rounds: int, pair: Target | None = None
+) -> dict:
     """16 conversations over two replicas, all at once, users pausing between turns, under
-    each policy in turn (the same pauses for both): with a system prompt of their own each
-    (16 applications), and with one shared by all. Beside the medians it records what
-    explains them: the prompt tokens each turn evaluated (not from the cache), TTFT
-    quartiles, and the prefix policy's decisions (from the web process's metrics)."""
+    each policy in turn (the same pauses for all): with a system prompt of their own each
+    (16 applications), and with one shared by all. pair: two llama-servers behind a
+    least-connections proxy (LeastConnPair), what a user would run instead, asked the same.
+    Beside the medians it records what explains them: the prompt tokens each turn evaluated
+    (not from the cache), TTFT quartiles, and the prefix policy's decisions (from the web
+    process's metrics)."""
     api("POST", f"/api/v1/deployments/{deployment}/scale/", key, json={"replicas": 2})
     wait_replicas(key, 2, deployment)
     out = {"rounds": rounds, "conversations": 16, "turns": 5, "replicas": 2}
-    policies = ("least_connections", "prefix")
+    arms = {"least_connections": fleet, "prefix": fleet}
+    if pair is not None:
+        arms[PAIR] = pair
     async with http_client(600) as client:
         for workload in ("distinct_system_prompts", "shared_system_prompt"):
-            rows = {p: {"later": [], "tps": [], "cached": [], "evaluated": []} for p in policies}
+            rows = {a: {"later": [], "tps": [], "cached": [], "evaluated": []} for a in arms}
             decisions = {}
             for r in range(rounds):
-                for policy in policies if r % 2 == 0 else policies[::-1]:
-                    set_policy(deployment, policy)
-                    before = await routing_decisions(key) if policy == "prefix" else {}
+                for arm in list(arms) if r % 2 == 0 else list(arms)[::-1]:
+                    if arms[arm] is fleet:
+                        set_policy(deployment, arm)
+                    before = await routing_decisions(key) if arm == "prefix" else {}
                     t0 = time.perf_counter()
                     convs = await asyncio.gather(
                         *(
                             conversation(
                                 client,
-                                fleet,
+                                arms[arm],
                                 "shared" if workload.startswith("shared") else f"{r}.{c}",
-                                f"({policy} {r}.{c}) " + QUESTIONS[0],
+                                f"({arm} {r}.{c}) " + QUESTIONS[0],
                                 5,
                                 32,
                                 random.Random(f"{r}.{c}"),
@@ -674,35 +759,46 @@ async def routing(fleet: Target, key: str, deployment: str, rounds: int) -> dict
                     )
                     wall = time.perf_counter() - t0
                     turns = [x for c in convs for x in c]
-                    # Over the wall time, users' pauses included: they are the same for both
-                    # policies (seeded per conversation), so the ratio compares the servers.
-                    rows[policy]["tps"].append(sum(x["tokens"] for x in turns) / wall)
-                    rows[policy]["later"].extend(x["ttft"] for c in convs for x in c[1:])
-                    rows[policy]["cached"].extend(x["cached_tokens"] for c in convs for x in c[1:])
-                    rows[policy]["evaluated"].extend(
+                    # Over the wall time, users' pauses included: they are the same for every
+                    # arm (seeded per conversation), so the ratio compares the servers.
+                    rows[arm]["tps"].append(sum(x["tokens"] for x in turns) / wall)
+                    rows[arm]["later"].extend(x["ttft"] for c in convs for x in c[1:])
+                    rows[arm]["cached"].extend(x["cached_tokens"] for c in convs for x in c[1:])
+                    rows[arm]["evaluated"].extend(
                         x["prompt_tokens"] - x["cached_tokens"] for c in convs for x in c[1:]
                     )
-                    if policy == "prefix":
+                    if arm == "prefix":
                         for d, v in (await routing_decisions(key)).items():
                             decisions[d] = decisions.get(d, 0) + v - before.get(d, 0)
             res = {}
-            for policy, v in rows.items():
-                res[policy] = {
+            for arm, v in rows.items():
+                res[arm] = {
                     "later_turns_median_ttft_ms": 1000 * med(v["later"]),
                     "aggregate_tokens_per_s": med(v["tps"]),
                     "later_turns_median_cached_tokens": med(v["cached"]),
                     # Prompt tokens the engine evaluated (not from its cache), and TTFT
                     # quartiles: where the time goes.
                     "later_turns_median_evaluated_tokens": med(v["evaluated"]),
+                    "later_turns_mean_evaluated_tokens": statistics.fmean(v["evaluated"]),
                     "later_turns_ttft_quartiles_ms": [
                         1000 * q for q in statistics.quantiles(v["later"], n=4)
                     ],
                 }
             res["prefix_decisions"] = decisions
             res["prefix_over_least_connections"] = ratios(res["prefix"], res["least_connections"])
+            if pair is not None:
+                res[f"prefix_over_{PAIR}"] = ratios(res["prefix"], res[PAIR])
             out[workload] = res
             print(json.dumps({workload: res}, indent=2), flush=True)
     return out
+
+
+#: The routing part's third arm: LeastConnPair.
+PAIR = "llama_servers_least_conn"
+NO_NGINX = (
+    "nginx not found (apt-get install nginx-light): the routing part compares our own "
+    "policies only, without two llama-servers behind least_conn"
+)
 
 
 def api(method: str, path: str, key: str, **kw) -> dict:
@@ -838,7 +934,7 @@ async def compare(args, model_path: Path, catalog_name: str, only) -> dict:
     return result
 
 
-async def two_replicas(args, catalog_name: str, only) -> dict:
+async def two_replicas(args, model_path: Path, catalog_name: str, only) -> dict:
     """Routing and failover over two replicas on one agent, sharing its cores."""
     key = bench_key()
     wait_replicas(key, 1, catalog_name)
@@ -849,7 +945,20 @@ async def two_replicas(args, catalog_name: str, only) -> dict:
         print(json.dumps({name: result[name]}, indent=2), flush=True)
 
     if only is None or "routing" in only:
-        result["prefix_routing"] = await routing(fleet, key, catalog_name, 2)
+        if nginx_binary() is None:
+            print(NO_NGINX, flush=True)
+            result["prefix_routing"] = await routing(fleet, key, catalog_name, 2)
+        else:
+            proxy = LeastConnPair(model_path, MODELS_BY_CATALOG[catalog_name][1])
+            try:
+                pair = Target(PAIR, proxy.url, catalog_name)
+                result["prefix_routing"] = await routing(fleet, key, catalog_name, 2, pair)
+                result["prefix_routing"]["pair"] = (
+                    f"two llama-servers -np {SLOTS} -c {SLOTS * CONTEXT} -t 1 behind nginx "
+                    "least_conn"
+                )
+            finally:
+                proxy.stop()
         show("prefix_routing")
     if only is None or "failover" in only:
         api("POST", f"/api/v1/deployments/{catalog_name}/scale/", key, json={"replicas": 2})
@@ -890,6 +999,17 @@ HEADLINES = {
     "many_conversations": {"later_turns_ttft_ratio": "ratio.later_turns_median_ttft_ms"},
     "prefix_routing": {
         f"{short}_{name}": f"{workload}.prefix_over_least_connections.{key}"
+        for short, workload in (
+            ("distinct", "distinct_system_prompts"),
+            ("shared", "shared_system_prompt"),
+        )
+        for name, key in (
+            ("ttft_ratio", "later_turns_median_ttft_ms"),
+            ("tokens_per_s_ratio", "aggregate_tokens_per_s"),
+        )
+    }
+    | {
+        f"{short}_{name}_vs_llama_servers": f"{workload}.prefix_over_{PAIR}.{key}"
         for short, workload in (
             ("distinct", "distinct_system_prompts"),
             ("shared", "shared_system_prompt"),
@@ -947,8 +1067,8 @@ def main() -> None:
             model_path = start_stack(catalog_name)
             result.update(asyncio.run(compare(args, model_path, catalog_name, only)))
         if only is None or only & {"routing", "failover"}:
-            start_stack(catalog_name)
-            result.update(asyncio.run(two_replicas(args, catalog_name, only)))
+            model_path = start_stack(catalog_name)
+            result.update(asyncio.run(two_replicas(args, model_path, catalog_name, only)))
             result["two_replica_threads"] = "shared by the agent among busy engines"
     finally:
         if not args.keep:
