@@ -223,6 +223,21 @@ _MODEL_PATH = (
 MODELS_BY_CATALOG = {v[0]: (v[1], v[2]) for v in MODELS.values()}
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, seconds: float, what: str) -> None:
+    """Until GET url/health answers 200; SystemExit if proc exits or time runs out."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited")
+        time.sleep(0.2)
+    raise SystemExit(f"{what} did not become healthy within {seconds:.0f} s")
+
+
 class LlamaServer:
     """llama.cpp's llama-server on the same file, slots, context and threads."""
 
@@ -260,17 +275,7 @@ class LlamaServer:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
-        end = time.monotonic() + 120
-        while time.monotonic() < end:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise SystemExit(f"llama-server exited; see {self.log.name}")
-            time.sleep(0.5)
-        raise SystemExit("llama-server did not become healthy")
+        wait_healthy(self.url, self.proc, 120, f"llama-server (see {self.log.name})")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -331,19 +336,11 @@ class LeastConnPair:
             stdout=subprocess.DEVNULL,
             stderr=open(conf_dir / "stderr.log", "w"),  # noqa: SIM115 (nginx keeps it)
         )
-        end = time.monotonic() + 30
-        while time.monotonic() < end:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                self.stop()
-                raise SystemExit(f"nginx exited; see {conf_dir}/error.log")
-            time.sleep(0.2)
-        self.stop()
-        raise SystemExit("nginx did not answer")
+        try:
+            wait_healthy(self.url, self.proc, 30, f"nginx (see {conf_dir}/error.log)")
+        except SystemExit:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.proc.poll() is None:
