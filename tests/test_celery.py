@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,15 +15,9 @@ import pytest
 import redis
 from celery import Celery
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT, free_port
 
 pytestmark = pytest.mark.skipif(not shutil.which("redis-server"), reason="needs redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def redis_server(port: int) -> subprocess.Popen:
