@@ -995,18 +995,8 @@ HEADLINES = {
     "multi_turn_chat": {"later_turns_ttft_ratio": "ratio.later_turns_median_ttft_ms"},
     "many_conversations": {"later_turns_ttft_ratio": "ratio.later_turns_median_ttft_ms"},
     "prefix_routing": {
-        f"{short}_{name}": f"{workload}.prefix_over_least_connections.{key}"
-        for short, workload in (
-            ("distinct", "distinct_system_prompts"),
-            ("shared", "shared_system_prompt"),
-        )
-        for name, key in (
-            ("ttft_ratio", "later_turns_median_ttft_ms"),
-            ("tokens_per_s_ratio", "aggregate_tokens_per_s"),
-        )
-    }
-    | {
-        f"{short}_{name}_vs_llama_servers": f"{workload}.prefix_over_{PAIR}.{key}"
+        f"{short}_{name}{suffix}": f"{workload}.prefix_over_{baseline}.{key}"
+        for suffix, baseline in (("", "least_connections"), ("_vs_llama_servers", PAIR))
         for short, workload in (
             ("distinct", "distinct_system_prompts"),
             ("shared", "shared_system_prompt"),
