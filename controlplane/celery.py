@@ -4,14 +4,79 @@ import logging
 import os
 
 from celery import Celery
+from celery.contrib.django.task import DjangoTask
 from celery.signals import after_setup_logger, after_setup_task_logger
 from celery.worker.consumer import Consumer as _Consumer
+from celery.worker.request import Request as _Request
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 log = logging.getLogger(__name__)
 
-# DjangoTask: `task.delay_on_commit(...)` sends a task once the transaction commits.
-app = Celery("llamafleet", task_cls="celery.contrib.django.task:DjangoTask")
+
+def _connection_lost(message) -> bool:
+    """Whether the broker connection a message came on has been collected since (a reconnect
+    happened while its task ran): kombu clears the transport's client, or the channel's."""
+    channel = message.channel
+    transport = channel.connection if channel is not None else None
+    return transport is None or transport.client is None
+
+
+class Request(_Request):
+    """A task request that settles its message even when the connection it came on is gone.
+
+    With acks_late, a task that runs while the broker connection drops is acknowledged when
+    it ends, after the worker reconnected, through its message's old channel. Celery 5.7.0
+    has collected that channel's connection by then, so kombu fails with AttributeError
+    ('NoneType' object has no attribute 'hostname'), which Celery does not count as a
+    connection error, and the worker stops for good: seen in CI after the fault battery's
+    Redis restart. The Redis transport keeps an unacknowledged message in the broker under
+    its delivery tag, not in the connection, so a new connection settles it just as well.
+    """
+
+    def acknowledge(self):
+        if self.acknowledged or not _connection_lost(self._message):
+            return super().acknowledge()
+        self._settle_elsewhere(lambda qos, tag: qos.ack(tag), "acknowledged")
+        self.acknowledged = True
+
+    def reject(self, requeue=False):
+        if self.acknowledged or not _connection_lost(self._message):
+            return super().reject(requeue)
+        what = "requeued" if requeue else "rejected"
+        self._settle_elsewhere(lambda qos, tag: qos.reject(tag, requeue=requeue), what)
+        self.acknowledged = True
+        self.send_event("task-rejected", requeue=requeue)
+
+    def _settle_elsewhere(self, settle, what: str) -> None:
+        tag = self._message.delivery_tag
+        with self._app.connection_for_write() as connection:
+            if connection.transport.driver_type != "redis":  # AMQP redelivers on its own
+                log.warning("task %s not %s: the connection it came on is gone", self.id, what)
+                return
+            try:
+                connection.ensure_connection(max_retries=1)  # never hold the worker's loop
+                channel = connection.channel()
+                try:
+                    settle(channel.qos, tag)
+                finally:
+                    channel.close()
+            except connection.connection_errors + connection.channel_errors as exc:
+                log.warning(
+                    "task %s not %s (%r): its message comes back after the visibility timeout",
+                    self.id, what, exc,
+                )  # fmt: skip
+            else:
+                log.info("task %s %s through a new broker connection", self.id, what)
+
+
+class Task(DjangoTask):
+    """DjangoTask (`task.delay_on_commit(...)` sends once the transaction commits), whose
+    requests survive a broker reconnection."""
+
+    Request = Request
+
+
+app = Celery("llamafleet", task_cls=Task)
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
@@ -39,8 +104,8 @@ class Consumer(_Consumer):
     which Celery does not count as a connection error, and the worker stops for good
     ("Unrecoverable error"): a Redis restart left the control plane without a worker. Here
     that close may fail without stopping the worker, as Celery 5.6 did (it collected and
-    did not close); the message comes back after the broker's visibility timeout, and the
-    tasks are idempotent (acks_late).
+    did not close); the message stays unacknowledged, and the task's Request settles it
+    when the task ends.
     """
 
     def on_connection_error_after_connected(self, exc):

@@ -1,5 +1,6 @@
 """The Celery worker when its broker restarts under a running task: a real worker process and
-a real redis-server of the test's own, killed and started again."""
+a real redis-server of the test's own, killed and started again; and a task message settled
+after the connection it came on was collected, on the real broker."""
 
 from __future__ import annotations
 
@@ -14,16 +15,25 @@ from pathlib import Path
 import pytest
 import redis
 from celery import Celery
+from celery.utils.threads import bound_open_broker_sockets
+from celery.worker.request import Request as CeleryRequest
+from kombu import Queue
 
+from controlplane.celery import Request, Task
 from tests.conftest import ROOT, free_port
 
 pytestmark = pytest.mark.skipif(not shutil.which("redis-server"), reason="needs redis-server")
 
 
-def redis_server(port: int) -> subprocess.Popen:
+def redis_server(port: int, aof_dir: Path | None = None) -> subprocess.Popen:
+    """A redis-server; with aof_dir, one that keeps every write across a SIGKILL."""
+    durable = (
+        ["--appendonly", "no"]
+        if aof_dir is None
+        else ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(aof_dir)]
+    )
     proc = subprocess.Popen(
-        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-         "--appendonly", "no"],
+        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", *durable],
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
     client = redis.Redis(port=port)
@@ -50,11 +60,11 @@ def wait_for(client: redis.Redis, key: str, seconds: float, worker: subprocess.P
 
 
 def test_the_worker_keeps_consuming_after_its_broker_restarts_under_a_running_task(tmp_path):
-    """In the fault battery's Redis restart Celery 5.7.0's worker once stopped for good here
-    ('Unrecoverable error: AttributeError' while closing the lost connection), leaving the
-    control plane without one; controlplane.celery.Consumer guards that close. This run
-    does not hit that race every time (it passed without the guard too): it checks the
-    whole path, a worker that consumes again after its broker came back."""
+    """In the fault battery's Redis restart Celery 5.7.0's worker twice stopped for good
+    ('Unrecoverable error: AttributeError'), once closing the lost connection and once
+    acknowledging a task that ended after the reconnect, leaving the control plane without
+    one. This run always takes the second path (the task outlives the outage); the close
+    race it does not hit every time."""
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     server = redis_server(port)
@@ -88,10 +98,94 @@ def test_the_worker_keeps_consuming_after_its_broker_restarts_under_a_running_ta
         sender.send_task("tests.probe.mark", args=["after"], queue="probe")
         wait_for(client, "after", 60, worker, log)
         assert "Unrecoverable error" not in log.read_text()
-        # The task that ran through the outage finished, and its message was let go of.
-        assert "tests.probe.sleep" in log.read_text().split("Connection to broker lost")[-1]
+        # The task that ran through the outage finished, and its message was acknowledged
+        # through the new connection, the old one's being gone.
+        after_loss = log.read_text().split("Connection to broker lost")[-1]
+        assert "tests.probe.sleep" in after_loss
+        assert "acknowledged through a new broker connection" in after_loss
     finally:
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
         server.kill()
         server.wait()
+
+
+@pytest.fixture
+def broker(tmp_path):
+    """A Celery app on a durable redis-server of the test's own, its port and that server."""
+    port = free_port()
+    server = [redis_server(port, tmp_path)]
+    probe = Celery("probe", broker=f"redis://127.0.0.1:{port}/0", task_cls=Task)
+
+    @probe.task(name="probe.noop", shared=False)
+    def noop():
+        pass
+
+    yield probe, port, server
+    server[0].kill()
+    server[0].wait()
+
+
+def lost_message(broker, aof_dir: Path):
+    """A task message delivered on a connection that is then lost, the state in which CI's
+    worker stopped after the battery's Redis restart: the broker stopped answering, the
+    worker's reconnect collected the connection (its transport has no client now, and
+    restoring the message failed, so it stays unacknowledged in the broker) and closed the
+    channel (its pools are gone), and the broker came back while the task still ran."""
+    probe, port, server = broker
+    probe.send_task("probe.noop", queue="probe")
+    connection = probe.connection_for_read()
+    channel = connection.channel()
+    message = Queue("probe")(channel).get(no_ack=False)
+    assert message is not None
+    server[0].kill()
+    server[0].wait()
+    bound_open_broker_sockets(connection, 0.5)  # as Celery's consumer does on losing it
+    connection.collect(socket_timeout=0.5)
+    channel._disconnect_pools()  # as its close does first: CI's traceback shows them gone
+    server[0] = redis_server(port, aof_dir)
+    return message
+
+
+def unacked_and_queued(probe: Celery, tag: str) -> tuple[bool, int]:
+    with probe.connection_for_write() as connection:
+        channel = connection.channel()
+        try:
+            return bool(channel.client.hexists(channel.unacked_key, tag)), channel.client.llen(
+                "probe"
+            )
+        finally:
+            channel.close()
+
+
+def request(cls, probe: Celery, message):
+    errors = (redis.ConnectionError,)
+    return cls(message, app=probe, on_ack=message.ack_log_error,
+               on_reject=message.reject_log_error, connection_errors=errors)  # fmt: skip
+
+
+def test_celerys_own_request_fails_on_a_lost_connection(broker, tmp_path):
+    """Why controlplane.celery.Request exists: Celery's own ack in that state raises what
+    stopped the worker in CI."""
+    message = lost_message(broker, tmp_path)
+    with pytest.raises(AttributeError, match="hostname"):
+        request(CeleryRequest, broker[0], message).acknowledge()
+
+
+@pytest.mark.parametrize("requeue", [False, True])
+def test_a_task_ending_after_its_connection_was_lost_settles_through_a_new_one(
+    broker, tmp_path, requeue
+):
+    probe = broker[0]
+    message = lost_message(broker, tmp_path)
+    tag = message.delivery_tag
+    assert unacked_and_queued(probe, tag) == (True, 0)
+    req = request(Request, probe, message)
+    if requeue:
+        req.reject(requeue=True)
+    else:
+        req.acknowledge()
+    assert req.acknowledged
+    # Acknowledged: gone from the broker, so it does not run again after the visibility
+    # timeout. Requeued: back in its queue, as a rejected task should be.
+    assert unacked_and_queued(probe, tag) == (False, 1 if requeue else 0)
