@@ -53,7 +53,7 @@ RETRIES = Counter(
 PREFIX_ROUTING = Counter(
     "llamafleet_prefix_routing",
     "Prefix-policy decisions: hit (a replica holds the prefix), hashed (new prefix), "
-    "overloaded (the preferred replica was over its load bound; least connections chose).",
+    "overloaded (every slot of the preferred replica was busy; least connections chose).",
     ["decision"],
 )
 ROUTING_FALLBACKS = Counter(

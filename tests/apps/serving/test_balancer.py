@@ -69,3 +69,25 @@ async def test_a_prompt_no_replica_holds_goes_to_the_least_loaded_one():
         assert (await balancer.order(targets, balancer.PREFIX, "m", hashes))[0] is order[0]
     finally:
         await forget(targets, hashes)
+
+
+async def test_a_holder_keeps_its_prefix_until_every_slot_is_busy():
+    """A turn sent elsewhere evaluates its whole history again; one more stream in a batch
+    costs its own tokens: the holder keeps it with 6 of 8 slots busy against an idle
+    replica, loses it with 8 of 8, and keeps it when the other has no slot free either."""
+    targets = two_targets()
+    holder, other = targets
+    hashes = balancer.prefix_hashes([{"role": "user", "content": "Where were we?"}], "")
+    client = balancer._redis()
+    now = time.time()
+    try:
+        balancer.remember(holder.deployment, hashes, holder.replica_id)
+        await asyncio.wait(set(balancer._background))
+        await client.zadd(balancer._key(holder.replica_id), {f"b{i}": now for i in range(6)})
+        assert (await balancer.order(targets, balancer.PREFIX, "m", hashes))[0] is holder
+        await client.zadd(balancer._key(holder.replica_id), {f"b{i}": now for i in range(8)})
+        assert (await balancer.order(targets, balancer.PREFIX, "m", hashes))[0] is other
+        await client.zadd(balancer._key(other.replica_id), {f"b{i}": now for i in range(8)})
+        assert (await balancer.order(targets, balancer.PREFIX, "m", hashes))[0] is holder
+    finally:
+        await forget(targets, hashes)
