@@ -44,6 +44,8 @@ MAX_TOKENS = 32
 RESULTS = ROOT / "var/test/faults.json"
 PG_DOWN_SECONDS = 30
 SPLIT = "faults-split"
+#: Where diagnose() shows the start of a log's last traceback from.
+TRACEBACK_MARKS = ("Unrecoverable", "CRITICAL", "Traceback (most recent call last)")
 LINK_CUT_SECONDS = 10
 
 
@@ -197,6 +199,12 @@ class Fleet:
         for proc in ("worker", "agent", "agent2"):
             path = self.stack.log_dir / f"{proc}.log"
             lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+            # The tail of a long traceback hides what it began with (CI once showed only the
+            # end of the worker's "Unrecoverable error"): the start of the last one first.
+            starts = [i for i, x in enumerate(lines) if any(m in x for m in TRACEBACK_MARKS)]
+            if starts:
+                head = lines[max(starts[-1] - 2, 0) : starts[-1] + 12]
+                out += [f"--- {proc}.log (the start of its last traceback)", *head]
             lines = [x for x in lines if " Task apps." not in x][-30:]  # not Celery's own
             out += [f"--- {proc}.log (last {len(lines)} lines)", *lines]
         return "\n".join(out)
