@@ -110,40 +110,51 @@ def test_the_worker_keeps_consuming_after_its_broker_restarts_under_a_running_ta
         server.wait()
 
 
+class Broker:
+    """A Celery app on a redis-server of the test's own that keeps every write across a
+    SIGKILL (append-only file, fsync always)."""
+
+    def __init__(self, aof_dir: Path):
+        self.port, self.aof_dir = free_port(), aof_dir
+        self.server = redis_server(self.port, aof_dir)
+        self.app = Celery("probe", broker=f"redis://127.0.0.1:{self.port}/0", task_cls=Task)
+        self.app.task(name="probe.noop", shared=False)(noop)
+
+    def kill(self) -> None:
+        self.server.kill()
+        self.server.wait()
+
+    def restart(self) -> None:
+        self.server = redis_server(self.port, self.aof_dir)
+
+
+def noop():
+    pass
+
+
 @pytest.fixture
 def broker(tmp_path):
-    """A Celery app on a durable redis-server of the test's own, its port and that server."""
-    port = free_port()
-    server = [redis_server(port, tmp_path)]
-    probe = Celery("probe", broker=f"redis://127.0.0.1:{port}/0", task_cls=Task)
-
-    @probe.task(name="probe.noop", shared=False)
-    def noop():
-        pass
-
-    yield probe, port, server
-    server[0].kill()
-    server[0].wait()
+    broker = Broker(tmp_path)
+    yield broker
+    broker.kill()
 
 
-def lost_message(broker, aof_dir: Path):
+def lost_message(broker: Broker):
     """A task message delivered on a connection that is then lost, the state in which CI's
     worker stopped after the battery's Redis restart: the broker stopped answering, the
     worker's reconnect collected the connection (its transport has no client now, and
     restoring the message failed, so it stays unacknowledged in the broker) and closed the
     channel (its pools are gone), and the broker came back while the task still ran."""
-    probe, port, server = broker
-    probe.send_task("probe.noop", queue="probe")
-    connection = probe.connection_for_read()
+    broker.app.send_task("probe.noop", queue="probe")
+    connection = broker.app.connection_for_read()
     channel = connection.channel()
     message = Queue("probe")(channel).get(no_ack=False)
     assert message is not None
-    server[0].kill()
-    server[0].wait()
+    broker.kill()
     bound_open_broker_sockets(connection, 0.5)  # as Celery's consumer does on losing it
     connection.collect(socket_timeout=0.5)
     channel._disconnect_pools()  # as its close does first: CI's traceback shows them gone
-    server[0] = redis_server(port, aof_dir)
+    broker.restart()
     return message
 
 
@@ -164,20 +175,18 @@ def request(cls, probe: Celery, message):
                on_reject=message.reject_log_error, connection_errors=errors)  # fmt: skip
 
 
-def test_celerys_own_request_fails_on_a_lost_connection(broker, tmp_path):
+def test_celerys_own_request_fails_on_a_lost_connection(broker):
     """Why controlplane.celery.Request exists: Celery's own ack in that state raises what
     stopped the worker in CI."""
-    message = lost_message(broker, tmp_path)
+    message = lost_message(broker)
     with pytest.raises(AttributeError, match="hostname"):
-        request(CeleryRequest, broker[0], message).acknowledge()
+        request(CeleryRequest, broker.app, message).acknowledge()
 
 
 @pytest.mark.parametrize("requeue", [False, True])
-def test_a_task_ending_after_its_connection_was_lost_settles_through_a_new_one(
-    broker, tmp_path, requeue
-):
-    probe = broker[0]
-    message = lost_message(broker, tmp_path)
+def test_a_task_ending_after_its_connection_was_lost_settles_through_a_new_one(broker, requeue):
+    probe = broker.app
+    message = lost_message(broker)
     tag = message.delivery_tag
     assert unacked_and_queued(probe, tag) == (True, 0)
     req = request(Request, probe, message)
