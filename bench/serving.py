@@ -732,13 +732,24 @@ async def routing(
         arms[PAIR] = pair
     async with http_client(600) as client:
         for workload in ("distinct_system_prompts", "shared_system_prompt"):
-            rows = {a: {"later": [], "tps": [], "cached": [], "evaluated": []} for a in arms}
+            rows = {
+                a: {
+                    "later": [],
+                    "all": [],
+                    "tps": [],
+                    "cached": [],
+                    "evaluated": [],
+                    "engine": [0, 0],
+                }
+                for a in arms
+            }
             decisions = {}
             for r in range(rounds):
                 for arm in list(arms) if r % 2 == 0 else list(arms)[::-1]:
                     if arms[arm] is fleet:
                         set_policy(deployment, arm)
                     before = await routing_decisions(key) if arm == "prefix" else {}
+                    engine_before = await engine_ttft() if arms[arm] is fleet else None
                     t0 = time.perf_counter()
                     convs = await asyncio.gather(
                         *(
@@ -764,6 +775,11 @@ async def routing(
                     rows[arm]["evaluated"].extend(
                         x["prompt_tokens"] - x["cached_tokens"] for c in convs for x in c[1:]
                     )
+                    rows[arm]["all"].extend(x["ttft"] for c in convs for x in c)
+                    if engine_before is not None:
+                        after = await engine_ttft()
+                        rows[arm]["engine"][0] += after[0] - engine_before[0]
+                        rows[arm]["engine"][1] += after[1] - engine_before[1]
                     if arm == "prefix":
                         for d, v in (await routing_decisions(key)).items():
                             decisions[d] = decisions.get(d, 0) + v - before.get(d, 0)
@@ -780,7 +796,11 @@ async def routing(
                     "later_turns_ttft_quartiles_ms": [
                         1000 * q for q in statistics.quantiles(v["later"], n=4)
                     ],
+                    # Every turn's, the first included: what the agent's histogram can give.
+                    "mean_ttft_ms": 1000 * statistics.fmean(v["all"]),
                 }
+                if v["engine"][1]:
+                    res[arm]["engine_mean_ttft_ms"] = 1000 * v["engine"][0] / v["engine"][1]
             res["prefix_decisions"] = decisions
             res["prefix_over_least_connections"] = ratios(res["prefix"], res["least_connections"])
             if pair is not None:
@@ -888,6 +908,23 @@ async def routing_decisions(key: str) -> dict[str, float]:
     """The prefix policy's decisions so far, by decision."""
     lines = await metric_lines(key, "llamafleet_prefix_routing_total{")
     return {line.split('decision="')[1].split('"')[0]: float(line.split()[-1]) for line in lines}
+
+
+async def engine_ttft() -> tuple[float, float]:
+    """The agent's own time to first token so far (from the engine process reading a request off
+    its pipe to its first token, queueing included): its histogram's sum and count. Beside the
+    client's figure it splits a turn's wait between the engines and the path in front of them."""
+    token = stack_env()["LLAMAFLEET_METRICS_TOKEN"]
+    url = f"http://127.0.0.1:{ENV['LLAMAFLEET_AGENT_METRICS_PORT']}/metrics"
+    async with httpx.AsyncClient() as client:
+        resp = await client.get(url, headers={"Authorization": f"Bearer {token}"})
+    total = {"_sum": 0.0, "_count": 0.0}
+    for line in resp.text.splitlines():
+        name = line.split("{")[0]
+        for suffix in total:
+            if name == "llamafleet_agent_time_to_first_token_seconds" + suffix:
+                total[suffix] += float(line.split()[-1])
+    return total["_sum"], total["_count"]
 
 
 async def metric_sum(key: str, name: str) -> float:
