@@ -35,7 +35,9 @@ and under "history" each run's headline ratios (a part measured once proves litt
 machine this noisy). Usage:
   .venv/bin/python bench/serving.py [--rounds 5] [--model smollm2|gemma] [--only a,b]
 BENCH_LOG_LEVEL=INFO keeps the stack's migrations and retries in var/bench/log/ (to diagnose
-a run; it costs the serving path time).
+a run; it costs the serving path time). LLAMAFLEET_AGENT_FLASH_ATTN=off (or on) runs our
+agent so, llama-server keeping its default; such runs keep their parts under names of their
+own (prefix_routing_flash_attn_off, ...).
 """
 
 from __future__ import annotations
@@ -178,9 +180,14 @@ def manage(*args: str) -> str:
     ).stdout
 
 
-def bench_key() -> str:
+def saved_secret(name: str) -> str:
+    """One of the bench stack's secrets, as `stack.py` saved them in var/bench/env."""
     env = dict(line.split("=", 1) for line in (VAR / "env").read_text().splitlines())
-    return env["LLAMAFLEET_BOOTSTRAP_KEY"]
+    return env[name]
+
+
+def bench_key() -> str:
+    return saved_secret("LLAMAFLEET_BOOTSTRAP_KEY")
 
 
 def local_model(sha_prefix: str, name: str) -> Path | None:
@@ -656,6 +663,10 @@ async def multi_turn(targets: list[Target], rounds: int, turns: int = 6, tokens:
     return out
 
 
+#: The bench stack's agent takes LLAMAFLEET_AGENT_FLASH_ATTN from this environment.
+FLASH_ATTN = os.environ.get("LLAMAFLEET_AGENT_FLASH_ATTN", "auto")
+
+
 def many_name() -> str:
     """The part's key: a run with the agent's host cache off (LLAMAFLEET_AGENT_PROMPT_CACHE_MIB
     =0) is kept beside the default one, to show what the cache is worth."""
@@ -897,10 +908,11 @@ def reported_replica(key: str, deployment: str, timeout: float = 30) -> dict:
     raise SystemExit(f"no agent reports a ready replica of {deployment}")
 
 
-async def metric_lines(key: str, name: str) -> list[str]:
-    """The web process's Prometheus sample lines of one metric."""
+async def metric_lines(key: str, name: str, url: str = URL) -> list[str]:
+    """Prometheus sample lines of one metric, from the web process unless `url` names another
+    (`name` ends with "{" to take one series' labelled lines only, or is a family's prefix)."""
     async with httpx.AsyncClient() as client:
-        resp = await client.get(URL + "/metrics", headers={"Authorization": f"Bearer {key}"})
+        resp = await client.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
     return [line for line in resp.text.splitlines() if line.startswith(name)]
 
 
@@ -914,16 +926,17 @@ async def engine_ttft() -> tuple[float, float]:
     """The agent's own time to first token so far (from the engine process reading a request off
     its pipe to its first token, queueing included): its histogram's sum and count. Beside the
     client's figure it splits a turn's wait between the engines and the path in front of them."""
-    token = stack_env()["LLAMAFLEET_METRICS_TOKEN"]
-    url = f"http://127.0.0.1:{ENV['LLAMAFLEET_AGENT_METRICS_PORT']}/metrics"
-    async with httpx.AsyncClient() as client:
-        resp = await client.get(url, headers={"Authorization": f"Bearer {token}"})
+    name = "llamafleet_agent_time_to_first_token_seconds"
+    lines = await metric_lines(
+        saved_secret("LLAMAFLEET_METRICS_TOKEN"),
+        name + "_",
+        f"http://127.0.0.1:{ENV['LLAMAFLEET_AGENT_METRICS_PORT']}",
+    )
     total = {"_sum": 0.0, "_count": 0.0}
-    for line in resp.text.splitlines():
-        name = line.split("{")[0]
-        for suffix in total:
-            if name == "llamafleet_agent_time_to_first_token_seconds" + suffix:
-                total[suffix] += float(line.split()[-1])
+    for line in lines:
+        suffix = line.split("{")[0].split()[0].removeprefix(name)
+        if suffix in total:
+            total[suffix] += float(line.split()[-1])
     return total["_sum"], total["_count"]
 
 
@@ -1105,6 +1118,14 @@ def main() -> None:
             part["measured_at"] = stamp
     old = json.loads(out.read_text()) if out.exists() else {}
     run = {"measured_at": stamp, "parts": args.only or "all", **headlines(result)}
+    if FLASH_ATTN != "auto":
+        # The agent's --flash-attn changed (llama-server keeps its default): kept beside the
+        # default runs under parts of their own.
+        run["agent_flash_attn"] = FLASH_ATTN
+        result = {
+            (f"{k}_flash_attn_{FLASH_ATTN}" if isinstance(v, dict) else k): v
+            for k, v in result.items()
+        }
     history = old.get("history", []) + [run]
     # A part measured again replaces its old figures; parts this run did not measure (the
     # runs with the host cache off, say) keep theirs, with their own measured_at.

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _agent_options(a: argparse.ArgumentParser) -> None:
-    from workers.engine.process import PROMPT_CACHE_MIB
+    from workers.engine.process import FLASH_ATTN_MODES, PROMPT_CACHE_MIB
 
     a.add_argument(
         "--name",
@@ -105,6 +105,14 @@ def _agent_options(a: argparse.ArgumentParser) -> None:
         help="host RAM per replica for prompt prefixes pushed out of its slots, restored when "
         "a later prompt shares them, as llama-server's --cache-ram "
         f"(LLAMAFLEET_AGENT_PROMPT_CACHE_MIB; default {PROMPT_CACHE_MIB}, 0 for none)",
+    )
+    a.add_argument(
+        "--flash-attn",
+        choices=FLASH_ATTN_MODES,
+        default=_env("LLAMAFLEET_AGENT_FLASH_ATTN", "auto"),
+        help="flash attention for whole replicas, as llama-server's -fa (LLAMAFLEET_AGENT_FLASH_"
+        "ATTN; default auto: on where the backend has it). On CPUs off can pay for chats with "
+        "long histories and costs for short prompts: see the README",
     )
     a.add_argument(
         "--rpc-host",
@@ -189,6 +197,7 @@ def _agent(args, parser: argparse.ArgumentParser) -> int:
         metrics_token=_env("LLAMAFLEET_METRICS_TOKEN"),
         stream_interval_ms=args.stream_interval_ms,
         prompt_cache_mib=args.prompt_cache_mib,
+        flash_attn=args.flash_attn,
         drain_seconds=args.drain_seconds,
         rpc_host=args.rpc_host,
         allow_public_rpc=args.allow_public_rpc,

@@ -287,6 +287,17 @@ def test_a_conversation_pushed_out_of_the_slots_is_restored_from_host_ram(agent,
     assert available() == 8 * gib
 
 
+def test_the_agents_flash_attention_setting_reaches_its_engines(agent, stub, monkeypatch):
+    """--flash-attn off (a CPU node serving chats with long histories) loads whole replicas
+    with it off; the engine process reports what it asked llama.cpp for."""
+    monkeypatch.setattr(agent.agent.service, "flash_attn", "off")
+    load(stub)
+    replies = list(stub.RunInference(chat(max_tokens=8), metadata=AUTH))
+    assert replies[-1].usage.completion_tokens > 0
+    assert agent.agent.service.replicas["r1"].engine.info["flash_attn"] == "off"
+    stub.FreeMemory(pb.FreeMemoryRequest(replica_id="r1"), metadata=AUTH)
+
+
 def test_busy_engines_share_the_agents_cores_and_one_alone_takes_them_all(agent, stub):
     """Two replicas on one agent of 2 threads: each decodes with both while the other is
     idle, with one each while both generate (all cores each oversubscribe the machine), and

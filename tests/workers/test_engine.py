@@ -840,6 +840,46 @@ def test_logprobs_are_the_models_own_log_probabilities(engine):
     assert b"".join(e[1] for e in entries).decode() == texts["lp"]
 
 
+def test_the_flash_attention_setting_reaches_llama_cpp(smollm2_path):
+    """auto is on where the backend has it (the CPU backend does), off computes attention
+    the other way: the first tokens' log probabilities show which one ran."""
+    first = {}
+    for mode in ("auto", "on", "off"):
+        e = BatchEngine(
+            str(smollm2_path), context_length=512, parallel=2, threads=2, flash_attn=mode
+        )
+        try:
+            _, _, _, logprobs = run(
+                e,
+                [Request("a", chat_tokens(e), 4, Sampling(temperature=0.0), logprobs=1)],
+                collect_logprobs=True,
+            )
+        finally:
+            e.close()
+        first[mode] = [entry[2] for entry in logprobs["a"]]
+    assert first["auto"] == first["on"]
+    assert first["off"] != first["on"]
+    assert max(abs(a - b) for a, b in zip(first["off"], first["on"], strict=True)) < 0.1
+
+
+def test_splits_and_the_invariant_mode_keep_their_own_flash_attention(smollm2_path):
+    e = BatchEngine(
+        str(smollm2_path),
+        context_length=128,
+        parallel=1,
+        threads=2,
+        batch_invariant=True,
+        flash_attn="on",
+    )
+    try:
+        assert e.flash_attn == "off"  # solo runs' numerics
+    finally:
+        e.close()
+    with pytest.raises(EngineError) as err:
+        BatchEngine(str(smollm2_path), 128, 1, 2, flash_attn="fast")
+    assert err.value.code == codes.INVALID_ARGUMENT and "auto, on, off" in err.value.message
+
+
 def test_n_choices_evaluate_the_prompt_once_and_sample_apart(engine):
     decoded = []
     real = engine._decode

@@ -47,6 +47,7 @@ class AgentSettings:
     health_listen: str = ""
     stream_interval_ms: float = 20.0  # pieces of one stream closer than this are merged
     prompt_cache_mib: int = PROMPT_CACHE_MIB  # host RAM per replica; 0 for none
+    flash_attn: str = "auto"  # auto, on or off, for whole replicas (see BatchEngine)
     drain_seconds: float = 30.0  # on SIGTERM, how long generations in flight may finish
     rpc_host: str = ""  # where rpc servers listen; "" for the host of `advertise`
     allow_public_rpc: bool = False  # let rpc servers bind a wildcard or public address
@@ -158,6 +159,7 @@ class Agent:
             on_change=self._changed,
             stream_interval=settings.stream_interval_ms / 1000,
             prompt_cache_bytes=settings.prompt_cache_mib << 20,
+            flash_attn=settings.flash_attn,
             rpc_host=rpc_host,
             tls_files=settings.tls,
         )

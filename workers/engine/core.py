@@ -37,7 +37,7 @@ import llama_cpp as L
 from workers.engine import errors
 from workers.engine.errors import EngineError
 from workers.engine.events import Done, Error, Token
-from workers.engine.process import PROMPT_CACHE_MIB
+from workers.engine.process import FLASH_ATTN_MODES, PROMPT_CACHE_MIB
 
 #: Same default as llama-cpp-python's Llama(n_batch=512): prompts decode in chunks of this.
 N_BATCH = 512
@@ -57,6 +57,8 @@ PENALTY_LAST_N = 64
 HOST_CACHE_BYTES = PROMPT_CACHE_MIB << 20  # the agent's --prompt-cache-mib sets it
 #: Fewest tokens a prefix must have to be worth a copy in host RAM.
 HOST_CACHE_MIN_TOKENS = 32
+#: Flash attention settings (the agent's --flash-attn), as llama-server's -fa takes them.
+FLASH_ATTN_AUTO, FLASH_ATTN_ON, FLASH_ATTN_OFF = FLASH_ATTN_MODES
 
 
 @dataclass
@@ -263,7 +265,7 @@ class BatchEngine:
         parallel: int,
         threads: int,
         max_queue: int = 64,
-        flash_attn: bool = False,
+        flash_attn: str = FLASH_ATTN_AUTO,
         rpc_servers: list[str] | None = None,
         n_gpu_layers: int = -1,
         split_mode: int = L.LLAMA_SPLIT_MODE_LAYER,
@@ -273,7 +275,14 @@ class BatchEngine:
     ):
         """rpc_servers split the model: the last n_gpu_layers layers (-1: all) go to those
         servers, in proportion to tensor_split; the rest stay here. Without rpc_servers,
-        n_gpu_layers >= 0 bounds what goes to local accelerators (none on a CPU build)."""
+        n_gpu_layers >= 0 bounds what goes to local accelerators (none on a CPU build).
+        flash_attn (one of FLASH_ATTN_MODES) is for whole replicas in the throughput mode:
+        splits and the invariant mode have their own."""
+        if flash_attn not in FLASH_ATTN_MODES:
+            raise EngineError(
+                errors.INVALID_ARGUMENT,
+                f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}, not {flash_attn!r}",
+            )
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
         if rpc_servers:
@@ -289,8 +298,11 @@ class BatchEngine:
             if tensor_split:
                 self._split = (ctypes.c_float * len(tensor_split))(*tensor_split)
                 mparams.tensor_split = self._split
-            # Tensor parallel over RPC needs flash attention (llama.cpp refuses it otherwise).
-            flash_attn = flash_attn or split_mode == L.LLAMA_SPLIT_MODE_TENSOR
+            # Tensor parallel over RPC needs flash attention (llama.cpp refuses it otherwise);
+            # a layer split keeps it off: its memory estimate (compute buffers of heads and
+            # stages) and its measured speed were made so.
+            tensor = split_mode == L.LLAMA_SPLIT_MODE_TENSOR
+            flash_attn = FLASH_ATTN_ON if tensor else FLASH_ATTN_OFF
         elif n_gpu_layers >= 0:
             mparams.n_gpu_layers = n_gpu_layers
         if batch_invariant:
@@ -318,22 +330,18 @@ class BatchEngine:
         # One KV stream per slot: a sequence sits at the same cells as it would alone (what
         # the invariant mode needs), and attention reads only its own cells.
         cparams.kv_unified = False
-        if self.invariant:
-            # Off, as llama-cpp-python's Llama has it, for identical numerics; tensor-parallel
-            # splits need it on.
-            cparams.flash_attn_type = (
-                L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-            )
-        elif flash_attn or not rpc_servers:
-            # llama-server's default: llama.cpp turns it on where the backend supports it
-            # (8 streams here: 133-139 tokens/s on, 107-118 off).
-            cparams.flash_attn_type = (
-                L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_AUTO
-            )
-        else:
-            # A layer split keeps it off: its memory estimate (compute buffers of heads and
-            # stages) and its measured speed were made so.
-            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if self.invariant and not rpc_servers:
+            flash_attn = FLASH_ATTN_OFF  # as llama-cpp-python's Llama has it: its numerics
+        # For whole replicas llama.cpp's auto turns it on where the backend supports it
+        # (llama-server's default). On this CPU it pays for short histories and costs for
+        # long ones (8 streams of one token: 54 ms a step on, 66 off with nothing cached;
+        # 95 against 79 with 500 tokens each; see the README's Numbers).
+        cparams.flash_attn_type = {
+            FLASH_ATTN_AUTO: L.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            FLASH_ATTN_ON: L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            FLASH_ATTN_OFF: L.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }[flash_attn]
+        self.flash_attn = flash_attn
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)

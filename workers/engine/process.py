@@ -48,6 +48,8 @@ _ids = itertools.count(1)
 #: 8 GiB per server): the agent's --prompt-cache-mib default, here because the agent side
 #: must not import the engine core (it loads llama.cpp).
 PROMPT_CACHE_MIB = 512
+#: The agent's --flash-attn choices (core.FLASH_ATTN_MODES, for the same reason).
+FLASH_ATTN_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -67,6 +69,7 @@ class EngineConfig:
     tensor_split: list[float] = field(default_factory=list)
     batch_invariant: bool = False  # see BatchEngine
     host_cache_bytes: int = PROMPT_CACHE_MIB << 20  # for prefixes pushed out of slots
+    flash_attn: str = "auto"  # for whole replicas in the throughput mode; see BatchEngine
 
 
 # ---- child side ----------------------------------------------------------------------
@@ -290,6 +293,7 @@ def _load(conn, config: EngineConfig):
             tensor_split=config.tensor_split,
             batch_invariant=config.batch_invariant,
             host_cache_bytes=config.host_cache_bytes,
+            flash_attn=config.flash_attn,
         )
     except EngineError as exc:
         conn.send(LoadError(exc.code, exc.message))
@@ -310,6 +314,7 @@ def _load(conn, config: EngineConfig):
                 "parallel": engine.parallel,
                 "load_seconds": time.monotonic() - started,
                 "chat_template": bool(template),
+                "flash_attn": engine.flash_attn,
             }
         )
     )
