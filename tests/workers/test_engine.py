@@ -862,7 +862,7 @@ def test_the_flash_attention_setting_reaches_llama_cpp(smollm2_path):
     assert max(abs(a - b) for a, b in zip(first["off"], first["on"], strict=True)) < 0.1
 
 
-def test_splits_and_the_invariant_mode_keep_their_own_flash_attention(smollm2_path):
+def test_the_invariant_mode_keeps_flash_attention_off_and_a_bad_setting_is_refused(smollm2_path):
     e = BatchEngine(
         str(smollm2_path),
         context_length=128,
