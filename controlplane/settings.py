@@ -236,7 +236,7 @@ CELERY_TASK_ROUTES = {
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 #: Schedules live in the database (django-celery-beat): editable in the admin. Intervals that
 #: apps declare with controlplane.celery.every() are copied there when beat starts.
-CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_BEAT_SCHEDULER = "controlplane.beat:Scheduler"
 CELERY_TASK_ALWAYS_EAGER = env.bool("LLAMAFLEET_CELERY_EAGER", default=False)
 
 # Fleet behaviour.
