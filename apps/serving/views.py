@@ -22,7 +22,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from apps.accounts.services import authenticate_key, bearer_from_header, recently_checked
+from apps.accounts.services import bearer_from_header, check_key
 from apps.serving import metrics as serving_metrics
 from apps.serving import schemas
 from apps.serving.services import (
@@ -55,7 +55,7 @@ async def _authenticate(request: HttpRequest) -> Caller:
     (GET: the playground lists models) but not generate: that is the websocket's, and a
     cross-site POST would carry the cookie without CSRF."""
     raw = bearer_from_header(request.headers.get("Authorization", ""))
-    key = (recently_checked(raw) or await sync_to_async(authenticate_key)(raw)) if raw else None
+    key = await check_key(raw) if raw else None
     if key is not None:
         return Caller.from_key(key)
     if not raw and request.method == "GET":

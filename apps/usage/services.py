@@ -20,16 +20,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import IntegrityError, connection, connections, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Count, F, Q, Sum
 from django.db.models.functions import TruncDay, TruncHour
 from redis.exceptions import RedisError
 
 from apps.deployments.models import Replica
 from apps.usage.models import NodeUsage, Report, UsageRecord
-from controlplane.db import bulk_update, relaxed_commit
+from controlplane.db import bulk_update, in_pool_thread, relaxed_commit
 from controlplane.redis import client as _redis
 from controlplane.redis import key as redis_key
 
@@ -217,26 +216,6 @@ def _agents_counts(request_ids: list[str]) -> dict[str, tuple[int, int, list[str
     return counts
 
 
-def _close_after(fn):
-    """fn from a pool thread, which Django's request cycle never cleans up after. With
-    PostgreSQL the connection goes back to the pool after each write. A SQLite connection,
-    a file of this machine, is kept by its thread: opening one (and registering Django's
-    functions on it) cost more CPU than the write itself, twice a request. After a failure
-    the connection is closed either way, so a retry starts on a new one."""
-
-    def run(u: Usage):
-        try:
-            result = fn(u)
-        except BaseException:
-            connections.close_all()
-            raise
-        if connection.vendor != "sqlite":
-            connections.close_all()
-        return result
-
-    return run
-
-
 #: How long a record waits for a database that is down or restarting before it is given up.
 STORE_PATIENCE_SECONDS = 180.0
 
@@ -248,7 +227,7 @@ async def _store(fn, u: Usage) -> None:
     pause = 0.5
     while True:
         try:
-            await sync_to_async(_close_after(fn), thread_sensitive=False)(u)
+            await in_pool_thread(fn)(u)
             return
         except Exception:  # a busy, restarting or stopped database: try again, then say so
             if time.monotonic() + pause > deadline:
@@ -429,7 +408,7 @@ async def _check(caller: Caller, request_id: str, reserve: int) -> int:
     keys = [redis_key("tokens", "app", caller.user_id, label) for _, _, label, _, _ in periods]
     for key, (_, _, _, start, end) in zip(keys, periods, strict=True):
         if await r.get(key) is None:  # Redis lost it (or a new period): rebuild from records
-            used = await sync_to_async(_tokens_between)(caller.user_id, start, end)
+            used = await in_pool_thread(_tokens_between)(caller.user_id, start, end)
             await r.set(key, used, nx=True, exat=int(end.timestamp()) + 86400)
     reserved = 0
     if periods:

@@ -1,5 +1,6 @@
 """API keys: hashed at rest, scoped to their owner, revocable, printable from the CLI."""
 
+import asyncio
 from io import StringIO
 
 import pytest
@@ -200,3 +201,40 @@ def test_a_key_checked_within_the_last_second_costs_no_query(
     other.owner.is_active = False
     other.owner.save()  # the owner deactivated: at once too
     assert services.authenticate_key(alice_key) is None
+
+
+@pytest.mark.django_db(transaction=True)  # the check's pool thread sees committed rows only
+async def test_a_steady_client_never_waits_for_its_key_and_a_revocation_still_lands(
+    alice_key, clock, settings
+):
+    """check_key, the serving path's: past half of KEY_CACHE_SECONDS a key is served from
+    memory and checked again in the background, whose answer the next requests get. A key
+    revoked elsewhere (raw SQL: no signal, as another process's write looks) is refused
+    after that check, before KEY_CACHE_SECONDS have passed since the first."""
+    from asgiref.sync import sync_to_async
+    from django.db import connection
+
+    from apps.accounts import services
+
+    settings.KEY_CACHE_SECONDS = 1.0
+    key = await services.check_key(alice_key)  # the first check waits for its query
+    assert key is not None
+
+    def revoke_elsewhere():
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {ApiKey._meta.db_table} SET revoked_at = %s WHERE id = %s",
+                [key.created_at, key.pk],
+            )
+
+    await sync_to_async(revoke_elsewhere)()
+    assert (await services.check_key(alice_key)).pk == key.pk  # within half: from memory
+    assert not services._tasks, "no background check within the first half"
+    clock.shift(0.6)
+    assert (await services.check_key(alice_key)).pk == key.pk  # served, and checked again
+    assert len(services._tasks) == 1
+    assert (await services.check_key(alice_key)).pk == key.pk
+    assert len(services._tasks) == 1, "one background check per key at a time"
+    await asyncio.gather(*services._tasks)
+    assert await services.check_key(alice_key) is None  # 0.6 s after the first check
+    assert await services.check_key("lf-never-seen-key-000000000000") is None

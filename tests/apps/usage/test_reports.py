@@ -214,7 +214,8 @@ def test_node_prices_are_set_by_staff(api, alice, settings):
 
 @pytest.mark.django_db(transaction=True)
 def test_the_beat_schedule_runs_the_report_through_the_broker(celery_worker_thread):
-    """The stack's beat scheduler (django-celery-beat's), the real Redis broker and a worker make a report."""
+    """The stack's beat scheduler (django-celery-beat's), the real Redis broker and a worker
+    make a report."""
     import json
 
     # The migration puts the daily and weekly schedules in the database, editable in the admin
