@@ -93,13 +93,13 @@ async def check_key(raw: str) -> ApiKey | None:
     accepted later than before: the background check refuses a revoked key for the
     requests after it, and a key not checked within KEY_CACHE_SECONDS waits for its query.
     """
-    known = _remembered.get(hash_key(raw)) if raw else None
     key = recently_checked(raw)
     if key is None:
         return await in_pool_thread(authenticate_key)(raw)
+    digest = hash_key(raw)
+    checked_at = _remembered[digest][1]
     half = timedelta(seconds=settings.KEY_CACHE_SECONDS / 2)
-    digest = key.key_hash
-    if known is not None and timezone.now() - known[1] > half and digest not in _refreshing:
+    if timezone.now() - checked_at > half and digest not in _refreshing:
         _refreshing.add(digest)
         task = asyncio.get_running_loop().create_task(_check_again(raw, digest))
         _tasks.add(task)
