@@ -366,7 +366,7 @@ def test_docker_compose_config_is_valid(tmp_path):
     assert done.returncode != 0 and "LLAMAFLEET_NODE_TOKEN" in done.stderr
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)  # /metrics checks the key from a pool thread
 def test_metrics_carry_the_fleet_gauges_the_dashboard_draws(ops):
     from apps.nodes.models import Node
 
