@@ -78,6 +78,9 @@ class StaticFilesMiddleware(WhiteNoiseMiddleware):
         return await self.get_response(request)
 
 
+_SAFE_METHODS = ("GET", "HEAD", "OPTIONS", "TRACE")  # RFC 9110's, as Django's CSRF check has them
+
+
 class _Inline:
     """Runs a Django middleware's hooks on the event loop when they do no I/O.
 
@@ -116,7 +119,26 @@ class CommonMiddleware(_Inline, common.CommonMiddleware):
 
 class CsrfViewMiddleware(_Inline, csrf.CsrfViewMiddleware):
     """Django's, inline (see _Inline): the secret lives in a cookie (CSRF_USE_SESSIONS is
-    off), so neither hook reads the session."""
+    off), so no hook reads the session.
+
+    process_view too: Django passes a sync one through sync_to_async, which started a
+    thread for every request, /v1 streams included, before its view ran. It runs on the
+    event loop for an exempt view (the API's) or a safe method, where Django's reads only
+    headers and cookies; else in the thread, since checking a form's token reads the body,
+    which may have been spooled to disk."""
+
+    def __init__(self, get_response):
+        super().__init__(get_response)
+        if iscoroutinefunction(get_response):  # the instance's, as load_middleware reads it
+            self.process_view = self._process_view_async
+
+    async def _process_view_async(self, request, callback, callback_args, callback_kwargs):
+        check = super().process_view
+        if getattr(callback, "csrf_exempt", False) or request.method in _SAFE_METHODS:
+            return check(request, callback, callback_args, callback_kwargs)
+        return await sync_to_async(check, thread_sensitive=True)(
+            request, callback, callback_args, callback_kwargs
+        )
 
 
 class AuthenticationMiddleware(_Inline, auth.AuthenticationMiddleware):

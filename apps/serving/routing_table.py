@@ -29,7 +29,7 @@ from django.conf import settings
 from django.db import DatabaseError
 from django.db.models.signals import post_delete, post_save
 
-from controlplane.db import database_unreachable, mark_unreachable
+from controlplane.db import database_unreachable, in_pool_thread, mark_unreachable
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +107,20 @@ def _refresh_soon(model_name: str) -> None:
 
 
 async def _query(model_name: str) -> list[tuple]:
+    return await _rows(model_name)
+
+
+@in_pool_thread
+def _rows(model_name: str) -> list[tuple]:
+    """The table as the database has it. In a pool thread (controlplane.db.in_pool_thread),
+    not through the async ORM: that hops to the request's own thread, which asgiref starts
+    for it, and opens a connection there, while the request's prompt is being evaluated."""
     from apps.deployments.models import Deployment, Replica
     from apps.nodes.models import Node
 
     return [
         (str(pk), node, address, dep, policy, slots)
-        async for pk, node, address, dep, policy, slots in Replica.objects.filter(
+        for pk, node, address, dep, policy, slots in Replica.objects.filter(
             state=Replica.State.READY,
             node__state=Node.State.READY,
             node__draining=False,
