@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -42,9 +42,9 @@ def authenticate_key(raw: str, fresh: bool = False) -> ApiKey | None:
         return None
     digest = hash_key(raw)
     now = timezone.now()
-    if not fresh and (key := recently_checked(raw)) is not None:
-        return key
     known = _remembered.get(digest)
+    if not fresh and known is not None and _within_cache(known, now):
+        return known[0]
     fresh_enough = known is not None and now - known[1] <= STALE_IF_ERROR
     if fresh_enough and database_unreachable():
         return known[0]
@@ -68,15 +68,9 @@ def authenticate_key(raw: str, fresh: bool = False) -> ApiKey | None:
     return key
 
 
-def recently_checked(raw: str) -> ApiKey | None:
-    """The key of a raw bearer value if this process checked it less than KEY_CACHE_SECONDS
-    ago, else None: no I/O, so async callers skip the thread hop of authenticate_key."""
-    known = _remembered.get(hash_key(raw)) if raw else None
-    if known is not None and timezone.now() - known[1] <= timedelta(
-        seconds=settings.KEY_CACHE_SECONDS
-    ):
-        return known[0]
-    return None
+def _within_cache(known: tuple[ApiKey, datetime], now: datetime) -> bool:
+    """Whether a remembered (key, checked at) was checked less than KEY_CACHE_SECONDS ago."""
+    return now - known[1] <= timedelta(seconds=settings.KEY_CACHE_SECONDS)
 
 
 _refreshing: set[str] = set()  # digests being checked again in the background
@@ -93,13 +87,14 @@ async def check_key(raw: str) -> ApiKey | None:
     accepted later than before: the background check refuses a revoked key for the
     requests after it, and a key not checked within KEY_CACHE_SECONDS waits for its query.
     """
-    key = recently_checked(raw)
-    if key is None:
+    digest = hash_key(raw) if raw else ""
+    known = _remembered.get(digest)
+    now = timezone.now()
+    if known is None or not _within_cache(known, now):  # no I/O before this: no thread hop
         return await in_pool_thread(authenticate_key)(raw)
-    digest = hash_key(raw)
-    checked_at = _remembered[digest][1]
+    key, checked_at = known
     half = timedelta(seconds=settings.KEY_CACHE_SECONDS / 2)
-    if timezone.now() - checked_at > half and digest not in _refreshing:
+    if now - checked_at > half and digest not in _refreshing:
         _refreshing.add(digest)
         task = asyncio.get_running_loop().create_task(_check_again(raw, digest))
         _tasks.add(task)

@@ -106,12 +106,8 @@ def _refresh_soon(model_name: str) -> None:
     _refreshing[model_name] = loop.create_task(refresh())
 
 
-async def _query(model_name: str) -> list[tuple]:
-    return await _rows(model_name)
-
-
 @in_pool_thread
-def _rows(model_name: str) -> list[tuple]:
+def _query(model_name: str) -> list[tuple]:
     """The table as the database has it. In a pool thread (controlplane.db.in_pool_thread),
     not through the async ORM: that hops to the request's own thread, which asgiref starts
     for it, and opens a connection there, while the request's prompt is being evaluated."""
