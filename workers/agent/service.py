@@ -130,6 +130,9 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         self.draining = False
         #: This start of the agent; engines and rpc servers do not outlive it.
         self.boot_id = uuid.uuid4().hex
+        #: Read once: devices do not come and go under a running agent, and nvidia-smi
+        #: takes a tenth of a second, too much for every status and heartbeat.
+        self.accelerators = system.accelerators()
         self._on_change = on_change or (lambda: None)
         self.metrics = AgentMetrics(self)
         self.ledger = Ledger()  # tokens per recent request, for the usage sweeper
@@ -388,7 +391,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             memory_total_bytes=total,
             memory_available_bytes=available,
             cpu_cores=system.cpu_cores(),
-            accelerators=system.accelerators(),
+            accelerators=self.accelerators,
             replicas=replicas,
             memory_in_use_bytes=sum(r.memory_bytes for r in replicas),
             in_flight=sum(r.in_flight for r in replicas),

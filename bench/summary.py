@@ -1,0 +1,150 @@
+"""Every run of the serving benchmark against its targets, as a Markdown table.
+
+One run's ratio proves little on a shared machine, so bench/serving.py keeps each run's
+headline figures under "history"; this prints, per figure, the latest run, how many runs
+measured it, their range and median, and how many met the target (for 8 streams also the
+median of every round, each one comparing the two targets back to back). The README's
+summary tables are this script's output. Usage:
+  .venv/bin/python bench/summary.py [bench/results/serving.json] [--since 2026-12-04]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+#: (part, figure, what it is, target as text, test of one value)
+TARGETS = [
+    ("single_stream", "decode_ratio", "one stream, decode", ">= 0.95x", lambda v: v >= 0.95),
+    (
+        "single_stream",
+        "cold_ttft_paired_difference_ms",
+        "one stream, cold TTFT, paired difference (ms)",
+        "within 10 ms",
+        lambda v: v <= 10,
+    ),
+    (
+        "single_stream",
+        "cold_ttft_difference_ms",
+        "one stream, cold TTFT, difference of medians (ms)",
+        "within 10 ms",
+        lambda v: v <= 10,
+    ),
+    ("concurrent_8", "tokens_per_s_ratio", "8 streams, throughput", ">= 1.0x", lambda v: v >= 1),
+    ("concurrent_8", "median_ttft_ratio", "8 streams, median TTFT", "<= 1.0x", lambda v: v <= 1),
+    (
+        "multi_turn_chat",
+        "later_turns_ttft_ratio",
+        "6-turn chat, TTFT of turns 2-6",
+        "<= 1.2x",
+        lambda v: v <= 1.2,
+    ),
+    ("many_conversations", "later_turns_ttft_ratio", "16 chats on 8 slots, TTFT", "", None),
+    (
+        "prefix_routing",
+        "distinct_ttft_ratio",
+        "routing, a system prompt each: prefix / least connections, TTFT",
+        "<= 0.5x",
+        lambda v: v <= 0.5,
+    ),
+    (
+        "prefix_routing",
+        "distinct_tokens_per_s_ratio",
+        "routing, a system prompt each: throughput",
+        ">= 1.0x",
+        lambda v: v >= 1,
+    ),
+    (
+        "prefix_routing",
+        "shared_ttft_ratio",
+        "routing, one shared system prompt: TTFT",
+        "<= 0.5x",
+        lambda v: v <= 0.5,
+    ),
+    (
+        "prefix_routing",
+        "shared_tokens_per_s_ratio",
+        "routing, one shared system prompt: throughput",
+        ">= 1.0x",
+        lambda v: v >= 1,
+    ),
+    (
+        "prefix_routing",
+        "distinct_ttft_ratio_vs_llama_servers",
+        "routing, a system prompt each: prefix / two llama-servers behind nginx, TTFT",
+        "",
+        None,
+    ),
+    (
+        "prefix_routing",
+        "shared_ttft_ratio_vs_llama_servers",
+        "routing, one shared system prompt: prefix / the llama-server pair, TTFT",
+        "",
+        None,
+    ),
+]
+
+
+def summarize(history: list[dict], since: str = "") -> list[dict]:
+    """One row per figure that some run measured (runs with the agent's flash attention
+    changed are left out: they measure another configuration)."""
+    runs = [r for r in history if r["measured_at"] >= since and "agent_flash_attn" not in r]
+    rows = []
+    for part, figure, label, target, test in TARGETS:
+        values = [
+            (r["measured_at"], r[part][figure])
+            for r in runs
+            if isinstance(r.get(part, {}).get(figure), (int, float))
+        ]
+        if not values:
+            continue
+        numbers = [v for _, v in values]
+        row = {
+            "figure": label,
+            "latest": values[-1][1],
+            "latest_at": values[-1][0],
+            "runs": len(values),
+            "min": min(numbers),
+            "median": statistics.median(numbers),
+            "max": max(numbers),
+            "target": target,
+            "met": sum(map(test, numbers)) if test else None,
+        }
+        if figure == "tokens_per_s_ratio":
+            rounds = [x for r in runs for x in r.get(part, {}).get("round_ratios") or []]
+            row["rounds"] = len(rounds)
+            row["rounds_median"] = statistics.median(rounds) if rounds else None
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| figure | latest run | runs | range (median) | runs meeting the target | target |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        spread = f"{r['min']:.2f} to {r['max']:.2f} ({r['median']:.2f})"
+        if "rounds" in r:
+            spread += f"; its {r['rounds']} rounds: median {r['rounds_median']:.3f}"
+        met = "" if r["met"] is None else f"{r['met']} of {r['runs']}"
+        lines.append(
+            f"| {r['figure']} | {r['latest']:.3f} ({r['latest_at'][:16]}) | {r['runs']} "
+            f"| {spread} | {met} | {r['target']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("file", nargs="?", default="bench/results/serving.json")
+    parser.add_argument("--since", default="", help="only runs measured at or after this")
+    args = parser.parse_args()
+    history = json.loads(Path(args.file).read_text()).get("history", [])
+    print(markdown(summarize(history, args.since)))
+
+
+if __name__ == "__main__":
+    main()
