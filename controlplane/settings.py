@@ -212,7 +212,13 @@ CHANNEL_LAYERS = {
 # Celery: one queue per task family, explicit time limits (checked by a test).
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)
 CELERY_RESULT_BACKEND = None
-CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": f"{REDIS_NAMESPACE}:"}
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "global_keyprefix": f"{REDIS_NAMESPACE}:",
+    # Bounded sockets: a Redis that accepts but never answers (stopped, or behind a dead
+    # proxy) gives an error after 5 s, not a publish or a reconnect that waits forever.
+    "socket_timeout": 5.0,
+    "socket_connect_timeout": 5.0,
+}
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -198,3 +200,52 @@ def test_a_task_ending_after_its_connection_was_lost_settles_through_a_new_one(b
     # Acknowledged: gone from the broker, so it does not run again after the visibility
     # timeout. Requeued: back in its queue, as a rejected task should be.
     assert unacked_and_queued(probe, tag) == (False, 1 if requeue else 0)
+
+
+@pytest.fixture
+def silent_broker():
+    """A TCP server that accepts connections and never answers: a stopped Redis behind a
+    proxy, or one SIGSTOPped, as a client sees it."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def accept():
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:  # closed at the end of the test
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+    for conn in held:
+        conn.close()
+
+
+def test_a_publish_to_a_redis_that_never_answers_fails_instead_of_waiting(silent_broker):
+    """The project's broker options (read as controlplane.celery reads them) bound every
+    socket Celery opens: a publish, which the web process and tasks do, raises after the
+    timeout. Without them it waited for ever, and so did a worker's reconnect."""
+    probe = Celery("probe", set_as_current=False)
+    probe.config_from_object("django.conf:settings", namespace="CELERY")
+    probe.conf.broker_url = f"redis://127.0.0.1:{silent_broker}/0"
+    limit = probe.conf.broker_transport_options["socket_timeout"]
+    outcome = []
+
+    def publish():
+        try:
+            probe.send_task("probe.noop", queue="probe", retry=False)
+            outcome.append("sent")
+        except Exception as exc:  # what the caller gets instead of a hang
+            outcome.append(exc)
+
+    started = time.monotonic()
+    worker = threading.Thread(target=publish, daemon=True)
+    worker.start()
+    worker.join(limit * 3)
+    assert not worker.is_alive(), f"still waiting after {limit * 3} s"
+    [error] = outcome
+    assert isinstance(error, Exception), error
+    assert "timeout" in f"{type(error).__name__} {error}".lower(), repr(error)
+    assert time.monotonic() - started < limit * 3
