@@ -4,7 +4,8 @@
 worker and beat, one node agent), pulls and deploys the default model and prints the URL
 and an API key. Secrets are generated once into var/env (mode 0600) unless the
 environment provides them. Every process writes var/log/<name>.log and var/run/<name>.pid;
-`down` stops exactly those.
+`down` stops exactly those. A supervisor (`supervise`, started by `up` unless
+LLAMAFLEET_SUPERVISE=0) starts again any of them that exits without `down` or `stop`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 #: The processes of `make run`, in the order they start, each by the Stack method of its
 #: name. They stop in the reverse order: agents first (they drain), Redis last.
 PROCESSES = ("redis", "web", "worker", "beat", "agent")
+SUPERVISOR = "supervisor"
+#: How often the supervisor looks; a process that exits again within MIN_UPTIME of its
+#: start waits twice as long as the last time before the next try (up to MAX_BACKOFF).
+SUPERVISE_SECONDS, MIN_UPTIME, MAX_BACKOFF = 2.0, 30.0, 60.0
 
 
 class Stack:
@@ -103,9 +108,9 @@ class Stack:
         try:
             pid = int(path.read_text())
             os.kill(pid, 0)
-            return pid
         except (OSError, ValueError):
             return None
+        return None if _exited(pid) else pid
 
     def start(self, name: str, argv: list[str]) -> None:
         if self.pid(name):
@@ -122,6 +127,8 @@ class Stack:
             start_new_session=True,
         )
         (self.run_dir / f"{name}.pid").write_text(str(proc.pid))
+        # What the supervisor starts again if it exits; removed by stop().
+        (self.run_dir / f"{name}.argv").write_text(json.dumps(argv))
         print(f"  {name}: started (pid {proc.pid}, log {self.log_dir / (name + '.log')})")
 
     def stop(self, name: str) -> None:
@@ -142,6 +149,53 @@ class Stack:
                     pass
             print(f"  {name}: stopped")
         (self.run_dir / f"{name}.pid").unlink(missing_ok=True)
+        (self.run_dir / f"{name}.argv").unlink(missing_ok=True)
+
+    # ---- supervision ---------------------------------------------------------------
+
+    def restart_exited(self, state: dict[str, tuple[float, float]], now: float) -> list[str]:
+        """Start again every process that exited without stop(); returns their names.
+
+        state: name -> (time of its last start, its current back-off), kept by the caller.
+        A process that ran less than MIN_UPTIME waits its back-off, doubled each time,
+        before the next start; one that ran longer starts again at once.
+        """
+        restarted = []
+        for argv_file in sorted(self.run_dir.glob("*.argv")):
+            name = argv_file.stem
+            if name == SUPERVISOR or self.pid(name):
+                continue
+            started, backoff = state.get(name, (float("-inf"), 0.0))
+            if now - started < MIN_UPTIME:  # it exited soon after its last start
+                backoff = min(max(2 * backoff, 1.0), MAX_BACKOFF)
+                if now - started < backoff:
+                    continue  # backing off
+            else:
+                backoff = 0.0
+            try:
+                argv = json.loads(argv_file.read_text())
+            except (OSError, ValueError):
+                continue  # stopped meanwhile
+            print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {name} exited; starting it again")
+            (self.run_dir / f"{name}.pid").unlink(missing_ok=True)
+            self.start(name, argv)
+            state[name] = (now, backoff)
+            restarted.append(name)
+        return restarted
+
+    def supervisor(self) -> None:
+        """The process that runs supervise() over this stack."""
+        argv = [PY, str(ROOT / "scripts/stack.py"), "supervise", "--var", str(self.var)]
+        self.start(SUPERVISOR, argv)
+
+    def supervise(self) -> None:
+        """Until SIGTERM (from `down`): start again what exits, every SUPERVISE_SECONDS."""
+        stopping = []
+        signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+        state: dict[str, tuple[float, float]] = {}
+        while not stopping:
+            self.restart_exited(state, time.monotonic())
+            time.sleep(SUPERVISE_SECONDS)
 
     def manage(self, *args: str, quiet: bool = False) -> None:
         out = subprocess.DEVNULL if quiet else None
@@ -297,6 +351,8 @@ class Stack:
         self.manage("pull_model", model, "--if-missing")
         print(f"Deploying {model}:")
         self.manage("deploy", model, "--wait", str(wait))
+        if self.env.get("LLAMAFLEET_SUPERVISE", "1") != "0":
+            self.supervisor()
         print(f"""
 LlamaFleet is up at {self.url}
   API key:   {key}
@@ -316,7 +372,7 @@ Stop it with: make stop""")
         """Every process this stack started (more agents or web processes a test added
         included), in the order they stop: agents first (they drain), Redis last."""
         names = {p.stem for p in self.run_dir.glob("*.pid")} | set(PROCESSES)
-        order = PROCESSES[::-1]
+        order = (SUPERVISOR, *PROCESSES[::-1])  # the supervisor first: it restarts the rest
         return sorted(
             names, key=lambda n: (next(i for i, o in enumerate(order) if n.startswith(o)), n)
         )
@@ -329,7 +385,23 @@ Stop it with: make stop""")
     def status(self) -> None:
         for name in self.processes():
             pid = self.pid(name)
-            print(f"  {name:7s} {f'running (pid {pid})' if pid else 'stopped'}")
+            print(f"  {name:10s} {f'running (pid {pid})' if pid else 'stopped'}")
+
+
+def _exited(pid: int) -> bool:
+    """A process that has exited but not been reaped (a zombie still answers kill 0): the
+    supervisor's own children, or a test's. Reaped here when it is ours."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] != "Z":
+                return False
+    except OSError:  # gone meanwhile, or no /proc: kill 0 said it runs
+        return not os.path.exists(f"/proc/{pid}") and os.path.isdir("/proc")
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # another process's child: its parent reaps it
+        pass
+    return True
 
 
 def _redis_answers(host: str, port: int) -> bool:
@@ -372,13 +444,14 @@ def _wait(ready, seconds: float, what: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument("command", choices=["up", "down", "status", "supervise"])
     parser.add_argument(
         "--model", default=os.environ.get("LLAMAFLEET_DEFAULT_MODEL", DEFAULT_MODEL)
     )
     parser.add_argument("--wait", type=float, default=300)
+    parser.add_argument("--var", help="the stack's var directory (default: LLAMAFLEET_VAR_DIR)")
     args = parser.parse_args()
-    var = Path(os.environ.get("LLAMAFLEET_VAR_DIR", ROOT / "var")).resolve()
+    var = Path(args.var or os.environ.get("LLAMAFLEET_VAR_DIR", ROOT / "var")).resolve()
     stack = Stack(
         var,
         port=int(os.environ.get("PORT", "8000")),
@@ -389,6 +462,8 @@ def main() -> None:
         stack.up(args.model, args.wait)
     elif args.command == "down":
         stack.down()
+    elif args.command == "supervise":
+        stack.supervise()
     else:
         stack.status()
 

@@ -27,6 +27,9 @@ def stack(tmp_path_factory, smollm2_path):
         "REDIS_URL": os.environ["REDIS_URL"].rsplit("/", 1)[0] + "/14",
         "LLAMAFLEET_HEARTBEAT_SECONDS": "1",
         "LLAMAFLEET_HEARTBEAT_TIMEOUT": "4",
+        # These tests kill processes to see what the fleet shows (tests/test_supervise.py
+        # covers the supervisor that would start them again).
+        "LLAMAFLEET_SUPERVISE": "0",
     }
     env.pop("DATABASE_URL", None)  # the embedded default: SQLite under var/
     up = subprocess.run(
