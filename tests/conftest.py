@@ -9,6 +9,8 @@ import asyncio
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +28,18 @@ def stack_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def stack_command(*args: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`scripts/stack.py <args>` as `make run` and `make stop` run it, output captured."""
+    return subprocess.run(
+        [sys.executable, "scripts/stack.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 #: Models fetched once and kept between runs (the fetch itself is tested in catalog tests).

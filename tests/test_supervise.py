@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.conftest import ROOT, free_port, stack_module
+from tests.conftest import free_port, stack_command, stack_module
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
 
@@ -85,14 +84,7 @@ def test_the_supervisor_process_restarts_what_exits_and_down_stops_everything(st
     second = stack.pid("agent")
     assert second and second != first, (stack.log_dir / "supervisor.log").read_text()
     assert "agent exited; starting it again" in (stack.log_dir / "supervisor.log").read_text()
-    down = subprocess.run(
-        [sys.executable, "scripts/stack.py", "down"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    down = stack_command("down", env=env, timeout=60)
     assert down.returncode == 0, down.stderr
     # The supervisor stops first, so nothing is started again behind `down`.
     assert down.stdout.index("supervisor: stopped") < down.stdout.index("agent: stopped")

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port, stack_module
+from tests.conftest import free_port, stack_command, stack_module
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +30,7 @@ def stack(tmp_path_factory, smollm2_path):
         "LLAMAFLEET_SUPERVISE": "0",
     }
     env.pop("DATABASE_URL", None)  # the embedded default: SQLite under var/
-    up = subprocess.run(
-        [sys.executable, "scripts/stack.py", "up", "--wait", "120"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    up = stack_command("up", "--wait", "120", env=env, timeout=600)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "LlamaFleet is up at" in up.stdout and env["LLAMAFLEET_BOOTSTRAP_KEY"] in up.stdout
@@ -50,14 +41,7 @@ def stack(tmp_path_factory, smollm2_path):
             "env": env,
         }
     finally:
-        down = subprocess.run(
-            [sys.executable, "scripts/stack.py", "down"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        down = stack_command("down", env=env, timeout=120)
         assert down.returncode == 0, down.stderr
         for name in stack_module().PROCESSES:
             assert not (Path(var) / "run" / f"{name}.pid").exists()
