@@ -37,7 +37,10 @@ machine this noisy). Usage:
 BENCH_LOG_LEVEL=INFO keeps the stack's migrations and retries in var/bench/log/ (to diagnose
 a run; it costs the serving path time). LLAMAFLEET_AGENT_FLASH_ATTN=off (or on) runs our
 agent so, llama-server keeping its default; such runs keep their parts under names of their
-own (prefix_routing_flash_attn_off, ...).
+own (prefix_routing_flash_attn_off, ...). --node-core (one stream, 8 streams) gives the node
+a core of its own, as a fleet's node has with its control plane on other machines: our agent
+and engine, or llama-server, on the last core with one thread; the web process, Celery,
+Redis and this client on the others; its parts are kept as ..._node_core.
 """
 
 from __future__ import annotations
@@ -667,6 +670,47 @@ async def multi_turn(targets: list[Target], rounds: int, turns: int = 6, tokens:
 FLASH_ATTN = os.environ.get("LLAMAFLEET_AGENT_FLASH_ATTN", "auto")
 
 
+def pin(pids: list[int], cpus: set[int]) -> None:
+    """Every thread of these processes and of their children onto these cores (threads
+    started later inherit it from the thread that starts them)."""
+    table = process_table()
+    todo, seen = list(pids), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        todo += [p for p, (ppid, _, _) in table.items() if ppid == pid]
+        for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:  # ended meanwhile
+                pass
+
+
+def redis_pids() -> list[int]:
+    """The machine's redis-server processes (the bench stack's database 3 is on one)."""
+    return [p for p, (_, comm, _) in process_table().items() if comm == "redis-server"]
+
+
+class NodeCore:
+    """--node-core: the node on the last core, everything else on the others; undone on exit."""
+
+    def __init__(self, server_pid: int):
+        self.node = {os.cpu_count() - 1}
+        self.rest = set(range(os.cpu_count() - 1))
+        self.redis = {pid: os.sched_getaffinity(pid) for pid in redis_pids()}
+        parts = fleet_processes()
+        pin(parts["agent"] + parts["engine"] + [server_pid], self.node)
+        pin(parts["web"] + parts["celery"] + list(self.redis) + [os.getpid()], self.rest)
+
+    def undo(self) -> None:
+        every = set(range(os.cpu_count()))
+        pin([os.getpid()], every)
+        for pid, cpus in self.redis.items():
+            pin([pid], cpus)
+
+
 def many_name() -> str:
     """The part's key: a run with the agent's host cache off (LLAMAFLEET_AGENT_PROMPT_CACHE_MIB
     =0) is kept beside the default one, to show what the cache is worth."""
@@ -964,8 +1008,13 @@ async def compare(args, model_path: Path, catalog_name: str, only) -> dict:
     def show(name: str) -> None:
         print(json.dumps({name: result[name]}, indent=2), flush=True)
 
-    ls = LlamaServer(model_path, MODELS_BY_CATALOG[catalog_name][1])
+    threads = 1 if args.node_core else THREADS
+    ls = LlamaServer(model_path, MODELS_BY_CATALOG[catalog_name][1], threads=threads)
     server.processes = lambda: {"llama_server": [ls.proc.pid]}
+    node_core = NodeCore(ls.proc.pid) if args.node_core else None
+    if node_core:
+        result["reference"] += ", the node on a core of its own (--node-core)"
+        result["threads"] = threads
     try:
         for name, run in (
             ("single_stream", lambda: single_stream([fleet, server], args.rounds, args.tokens)),
@@ -978,6 +1027,8 @@ async def compare(args, model_path: Path, catalog_name: str, only) -> dict:
                 show(name)
     finally:
         ls.stop()
+        if node_core:
+            node_core.undo()
     return result
 
 
@@ -1090,9 +1141,20 @@ def main() -> None:
         help="single_stream,concurrent_8,multi_turn_chat,many_conversations,routing,failover",
     )
     parser.add_argument("--keep", action="store_true", help="leave the bench stack running")
+    parser.add_argument(
+        "--node-core",
+        action="store_true",
+        help="the node (agent and engine, or llama-server) on a core of its own, one thread",
+    )
     args = parser.parse_args()
     catalog_name = MODELS[args.model][0]
     only = set(args.only.split(",")) if args.only else None
+    if args.node_core:
+        if (os.cpu_count() or 1) < 2:
+            parser.error("--node-core needs at least two cores")
+        if only is None or only & {"routing", "failover"}:
+            parser.error("--node-core is for one replica: --only single_stream,concurrent_8")
+        ENV["LLAMAFLEET_AGENT_THREADS"] = "1"
     result = {}
     try:
         if only is None or only & {
@@ -1118,14 +1180,18 @@ def main() -> None:
             part["measured_at"] = stamp
     old = json.loads(out.read_text()) if out.exists() else {}
     run = {"measured_at": stamp, "parts": args.only or "all", **headlines(result)}
+    # Another configuration (the agent's --flash-attn changed, llama-server keeping its
+    # default; or the node on a core of its own): kept beside the default runs under parts
+    # of their own, and its history entry says which.
+    variant = ""
     if FLASH_ATTN != "auto":
-        # The agent's --flash-attn changed (llama-server keeps its default): kept beside the
-        # default runs under parts of their own.
         run["agent_flash_attn"] = FLASH_ATTN
-        result = {
-            (f"{k}_flash_attn_{FLASH_ATTN}" if isinstance(v, dict) else k): v
-            for k, v in result.items()
-        }
+        variant = f"_flash_attn_{FLASH_ATTN}"
+    if args.node_core:
+        run["node_core"] = True
+        variant += "_node_core"
+    if variant:
+        result = {(f"{k}{variant}" if isinstance(v, dict) else k): v for k, v in result.items()}
     history = old.get("history", []) + [run]
     # A part measured again replaces its old figures; parts this run did not measure (the
     # runs with the host cache off, say) keep theirs, with their own measured_at.

@@ -6,6 +6,7 @@ measured it, their range and median, and how many met the target (for 8 streams 
 median of every round, each one comparing the two targets back to back). The README's
 summary tables are this script's output. Usage:
   .venv/bin/python bench/summary.py [bench/results/serving.json] [--since 2026-12-04]
+                                   [--node-core]
 """
 
 from __future__ import annotations
@@ -87,10 +88,17 @@ TARGETS = [
 ]
 
 
-def summarize(history: list[dict], since: str = "") -> list[dict]:
-    """One row per figure that some run measured (runs with the agent's flash attention
-    changed are left out: they measure another configuration)."""
-    runs = [r for r in history if r["measured_at"] >= since and "agent_flash_attn" not in r]
+def summarize(history: list[dict], since: str = "", node_core: bool = False) -> list[dict]:
+    """One row per figure that some run measured. Runs of another configuration are left
+    out: the agent's flash attention changed, and the node on a core of its own unless
+    node_core asks for those runs alone."""
+    runs = [
+        r
+        for r in history
+        if r["measured_at"] >= since
+        and "agent_flash_attn" not in r
+        and bool(r.get("node_core")) == node_core
+    ]
     rows = []
     for part, figure, label, target, test in TARGETS:
         values = [
@@ -141,9 +149,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("file", nargs="?", default="bench/results/serving.json")
     parser.add_argument("--since", default="", help="only runs measured at or after this")
+    parser.add_argument(
+        "--node-core", action="store_true", help="the runs of serving.py --node-core alone"
+    )
     args = parser.parse_args()
     history = json.loads(Path(args.file).read_text()).get("history", [])
-    print(markdown(summarize(history, args.since)))
+    print(markdown(summarize(history, args.since, args.node_core)))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ HISTORY = [
     run("2026-12-04T11:00:00Z", 0.98, [0.95, 1.01, 1.2]),
     # another configuration of the agent: not one of the runs the targets are about
     run("2026-12-04T12:00:00Z", 2.0, [2.0], agent_flash_attn="off"),
+    run("2026-12-04T12:30:00Z", 0.5, [0.5], node_core=True),
     {
         "measured_at": "2026-12-04T13:00:00Z",
         "single_stream": {"decode_ratio": 0.94, "cold_ttft_paired_difference_ms": 10.0},
@@ -51,3 +52,8 @@ def test_all_runs_without_a_date_and_the_table():
     table = summary.markdown(rows).splitlines()
     assert len(table) == 2 + len(rows)
     assert "| 8 streams, throughput | 0.980 (2026-12-04T11:00) | 3 |" in "\n".join(table)
+
+
+def test_the_node_core_runs_alone():
+    [tps] = [r for r in summary.summarize(HISTORY, node_core=True) if "throughput" in r["figure"]]
+    assert (tps["runs"], tps["latest"], tps["met"]) == (1, 0.5, 0)
