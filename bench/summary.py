@@ -16,74 +16,62 @@ import json
 import statistics
 from pathlib import Path
 
-#: (part, figure, what it is, target as text, test of one value)
+
+def at_least(bound: float) -> tuple[str, object]:
+    return f">= {bound}x", lambda v: v >= bound
+
+
+def at_most(bound: float) -> tuple[str, object]:
+    return f"<= {bound}x", lambda v: v <= bound
+
+
+def within_ms(bound: float) -> tuple[str, object]:
+    return f"within {bound} ms", lambda v: v <= bound
+
+
+NO_TARGET = ("", None)
+ROUTING = "prefix_routing"
+EACH, SHARED = "routing, a system prompt each", "routing, one shared system prompt"
+
+#: (part, figure, what it is, target: its text and the test of one value)
 TARGETS = [
-    ("single_stream", "decode_ratio", "one stream, decode", ">= 0.95x", lambda v: v >= 0.95),
+    ("single_stream", "decode_ratio", "one stream, decode", at_least(0.95)),
     (
         "single_stream",
         "cold_ttft_paired_difference_ms",
         "one stream, cold TTFT, paired difference (ms)",
-        "within 10 ms",
-        lambda v: v <= 10,
+        within_ms(10),
     ),
     (
         "single_stream",
         "cold_ttft_difference_ms",
         "one stream, cold TTFT, difference of medians (ms)",
-        "within 10 ms",
-        lambda v: v <= 10,
+        within_ms(10),
     ),
-    ("concurrent_8", "tokens_per_s_ratio", "8 streams, throughput", ">= 1.0x", lambda v: v >= 1),
-    ("concurrent_8", "median_ttft_ratio", "8 streams, median TTFT", "<= 1.0x", lambda v: v <= 1),
+    ("concurrent_8", "tokens_per_s_ratio", "8 streams, throughput", at_least(1.0)),
+    ("concurrent_8", "median_ttft_ratio", "8 streams, median TTFT", at_most(1.0)),
+    ("multi_turn_chat", "later_turns_ttft_ratio", "6-turn chat, TTFT of turns 2-6", at_most(1.2)),
+    ("many_conversations", "later_turns_ttft_ratio", "16 chats on 8 slots, TTFT", NO_TARGET),
     (
-        "multi_turn_chat",
-        "later_turns_ttft_ratio",
-        "6-turn chat, TTFT of turns 2-6",
-        "<= 1.2x",
-        lambda v: v <= 1.2,
-    ),
-    ("many_conversations", "later_turns_ttft_ratio", "16 chats on 8 slots, TTFT", "", None),
-    (
-        "prefix_routing",
+        ROUTING,
         "distinct_ttft_ratio",
-        "routing, a system prompt each: prefix / least connections, TTFT",
-        "<= 0.5x",
-        lambda v: v <= 0.5,
+        f"{EACH}: prefix / least connections, TTFT",
+        at_most(0.5),
     ),
+    (ROUTING, "distinct_tokens_per_s_ratio", f"{EACH}: throughput", at_least(1.0)),
+    (ROUTING, "shared_ttft_ratio", f"{SHARED}: TTFT", at_most(0.5)),
+    (ROUTING, "shared_tokens_per_s_ratio", f"{SHARED}: throughput", at_least(1.0)),
     (
-        "prefix_routing",
-        "distinct_tokens_per_s_ratio",
-        "routing, a system prompt each: throughput",
-        ">= 1.0x",
-        lambda v: v >= 1,
-    ),
-    (
-        "prefix_routing",
-        "shared_ttft_ratio",
-        "routing, one shared system prompt: TTFT",
-        "<= 0.5x",
-        lambda v: v <= 0.5,
-    ),
-    (
-        "prefix_routing",
-        "shared_tokens_per_s_ratio",
-        "routing, one shared system prompt: throughput",
-        ">= 1.0x",
-        lambda v: v >= 1,
-    ),
-    (
-        "prefix_routing",
+        ROUTING,
         "distinct_ttft_ratio_vs_llama_servers",
-        "routing, a system prompt each: prefix / two llama-servers behind nginx, TTFT",
-        "",
-        None,
+        f"{EACH}: prefix / two llama-servers behind nginx, TTFT",
+        NO_TARGET,
     ),
     (
-        "prefix_routing",
+        ROUTING,
         "shared_ttft_ratio_vs_llama_servers",
-        "routing, one shared system prompt: prefix / the llama-server pair, TTFT",
-        "",
-        None,
+        f"{SHARED}: prefix / the llama-server pair, TTFT",
+        NO_TARGET,
     ),
 ]
 
@@ -100,7 +88,7 @@ def summarize(history: list[dict], since: str = "", node_core: bool = False) -> 
         and bool(r.get("node_core")) == node_core
     ]
     rows = []
-    for part, figure, label, target, test in TARGETS:
+    for part, figure, label, (target, test) in TARGETS:
         values = [
             (r["measured_at"], r[part][figure])
             for r in runs
