@@ -124,9 +124,10 @@ def admit(u: Usage) -> None:
         pass  # its final record got there first (the two are written by parallel tasks)
 
 
-def record(u: Usage) -> UsageRecord:
+def record(u: Usage) -> None:
     """Complete a request's record (or store it, if it was never admitted). The first final
-    record stays: recording the same request twice keeps the first."""
+    record stays: recording the same request twice keeps the first. One UPDATE as a rule,
+    and nothing read back: this runs once per request."""
     fields = _fields(u)
     running = UsageRecord.objects.filter(
         request_id=u.request_id, outcome=UsageRecord.Outcome.RUNNING
@@ -134,10 +135,9 @@ def record(u: Usage) -> UsageRecord:
     if not running.update(**fields):
         try:
             with transaction.atomic():
-                return UsageRecord.objects.create(request_id=u.request_id, **fields)
+                UsageRecord.objects.create(request_id=u.request_id, **fields)
         except IntegrityError:  # admitted meanwhile, or already final
             running.update(**fields)
-    return UsageRecord.objects.get(request_id=u.request_id)
 
 
 def settle_interrupted(older_than: float | None = None) -> int:
