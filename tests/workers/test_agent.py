@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -206,6 +207,25 @@ def test_cancelling_a_stream_frees_its_slot(agent, stub):
     started = time.monotonic()
     msgs = list(stub.RunInference(chat(max_tokens=4), metadata=AUTH))
     assert msgs[-1].finish_reason and time.monotonic() - started < 30
+
+
+def test_headers_go_out_before_the_first_token(agent, stub):
+    """A call's headers do not wait for its first token (sent with it, they cost the caller
+    one more wake-up on the way to that token): here they arrive while the request still
+    waits for the only slot."""
+    load(stub, parallel=1)
+    busy = stub.RunInference(
+        chat(messages=[{"role": "user", "content": "Write a long story."}], max_tokens=500),
+        metadata=AUTH,
+    )
+    next(busy)  # it holds the slot for hundreds of tokens
+    waiting = stub.RunInference(chat(max_tokens=4), metadata=AUTH)
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(waiting.initial_metadata).result(timeout=30)
+    # Both still in flight: the waiting request has no token yet, and no slot.
+    assert stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).in_flight == 2
+    busy.cancel()
+    assert list(waiting)[-1].finish_reason
 
 
 def test_free_memory_stops_the_engine_and_is_idempotent(agent, stub):

@@ -245,6 +245,10 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
     async def RunInference(self, request, context):
         if self.draining:  # shutting down: the caller sends it to another replica
             await abort(context, EngineError(errors.DRAINING, f"{self.node_name} is shutting down"))
+        # Headers now, while the prompt is evaluated: sent with the first token instead, the
+        # caller's channel takes them and the message as two completions, one more wake-up
+        # on the way to the first token (0.2 and 0.6 ms in two paired runs, 2026-12-05).
+        await context.send_initial_metadata(())
         count = self.ledger.count
         try:
             replica = self._replica(request.replica_id)
