@@ -679,8 +679,8 @@ def test_the_invariant_mode_keeps_no_prompt_cache(invariant):
     assert done["y"].usage["cached_tokens"] == 0
 
 
-def test_prompts_arriving_together_are_read_in_arrival_order_within_the_budget(smollm2_path):
-    """Throughput mode: prompts arriving together are read first come, first served, at
+def test_prompts_arriving_together_are_read_shortest_first_within_the_budget(smollm2_path):
+    """Throughput mode: prompts arriving together are read whole, the shortest first, at
     most PROMPT_BUDGET tokens a step, so the first ones reach their first token at once
     instead of all waiting for all; one arriving later is read alongside the others'
     decoding, not after it."""
@@ -688,11 +688,16 @@ def test_prompts_arriving_together_are_read_in_arrival_order_within_the_budget(s
 
     e = BatchEngine(str(smollm2_path), context_length=512, parallel=8, threads=2)
     try:
-        topics = ["owls", "trains", "rain", "bread", "maps", "tea", "snow"]
+        topics = ["owls", "trains", "rain and thunder over the hills", "bread", "maps", "tea"]
+        topics.append("snow falling on a quiet town at night")
         prompts = [chat_tokens(e, [{"role": "user", "content": f"On {t}."}]) for t in topics]
+        assert len({len(p) for p in prompts}) > 1  # lengths differ: the order is by length
         for i, p in enumerate(prompts):
             e.submit(Request(f"s{i}", p, 8, GREEDY))
-        fits = max(k for k in range(8) if sum(map(len, prompts[:k])) <= core.PROMPT_BUDGET)
+        by_length = sorted(range(7), key=lambda i: (len(prompts[i]), i))
+        fits = max(
+            k for k in range(8) if sum(len(prompts[i]) for i in by_length[:k]) <= core.PROMPT_BUDGET
+        )
         assert 0 < fits < len(prompts)  # the budget binds here
         first_step = {}
         step = 0
@@ -702,11 +707,12 @@ def test_prompts_arriving_together_are_read_in_arrival_order_within_the_budget(s
                 if isinstance(ev, (Token, Done)):
                     first_step.setdefault(ev.id, step)
             if step == 1:  # the next prompt is not begun: a part of it gives no first token
-                [nxt] = [q for q in e.active.values() if q.req.request_id == f"s{fits}"]
-                assert nxt.prefill_pos == 0
-        assert [i for i in range(7) if first_step[f"s{i}"] == 1] == list(range(fits))
-        order = [first_step[f"s{i}"] for i in range(7)]
-        assert order == sorted(order)  # arrival order
+                nxt = f"s{by_length[fits]}"
+                [q] = [q for q in e.active.values() if q.req.request_id == nxt]
+                assert q.prefill_pos == 0
+        assert sorted(i for i in range(7) if first_step[f"s{i}"] == 1) == sorted(by_length[:fits])
+        order = [first_step[f"s{i}"] for i in by_length]
+        assert order == sorted(order)  # the shortest first
         e.submit(
             Request("late", chat_tokens(e, [{"role": "user", "content": "On bees."}]), 8, GREEDY)
         )
@@ -717,6 +723,41 @@ def test_prompts_arriving_together_are_read_in_arrival_order_within_the_budget(s
         assert second == running | {"late"}
         while not e.idle():
             e.step()
+    finally:
+        e.close()
+
+
+def test_a_short_prompt_does_not_wait_behind_a_long_one_being_read(smollm2_path):
+    """A follow-up turn (a few new tokens) arriving while a new conversation's long prompt
+    is read beside a running stream gets its first token after the next step; the long
+    prompt goes on being read afterwards, and both texts come out whole."""
+    from workers.engine import core
+
+    e = BatchEngine(str(smollm2_path), context_length=512, parallel=4, threads=2)
+    try:
+        e.submit(Request("running", chat_tokens(e), 40, GREEDY))
+        while not any(isinstance(ev, Token) for ev in e.step()):
+            pass
+        long_prompt = chat_tokens(e, [{"role": "user", "content": "Tell me about owls. " * 40}])
+        e.submit(Request("long", long_prompt, 8, GREEDY))
+        e.step()
+        [long] = [q for q in e.active.values() if q.req.request_id == "long"]
+        assert 0 < long.prefill_pos < len(long_prompt)  # cut: it is read over several steps
+        short = chat_tokens(e, [{"role": "user", "content": "On bees."}])
+        assert len(short) < core.PROMPT_BUDGET < len(long_prompt) - long.prefill_pos
+        e.submit(Request("short", short, 8, GREEDY))
+        events = e.step()
+        got = {ev.id for ev in events if isinstance(ev, (Token, Done))}
+        assert "short" in got and "long" not in got
+        assert long.prefill_pos < len(long_prompt)  # still reading
+        done = {}
+        for _ in range(200):
+            done |= {ev.id: ev for ev in events if isinstance(ev, Done)}
+            if e.idle():
+                break
+            events = e.step()
+        assert all(done[r].usage["completion_tokens"] > 0 for r in ("short", "long"))
+        assert done["long"].usage["prompt_tokens"] == len(long_prompt)
     finally:
         e.close()
 

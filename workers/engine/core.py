@@ -817,7 +817,7 @@ class BatchEngine:
 
     def _step_throughput(self, events: list[Token | Done | Error]) -> None:
         """One llama_decode: every decoding sequence's next token, then prompt chunks of
-        the sequences still reading theirs (first come, first served) up to the step's
+        the sequences still reading theirs (whole short ones first) up to the step's
         budget, so that new requests reach their first token within a step or two of
         arriving and running streams are not stalled behind long prompts.
 
@@ -838,15 +838,22 @@ class BatchEngine:
         # room for the fillers of idle slots (one token each, see _fill_holes).
         alone = n == 0 and len(reading) == 1
         cap = N_BATCH if alone else min(N_BATCH - self.parallel, n + PROMPT_BUDGET)
-        for i, seq in enumerate(reading):
+        # Whole prompts that fit go first, the shortest first: a follow-up turn whose
+        # history is cached reads a few tokens and has its first token after this step
+        # rather than behind a new conversation's long prompt (shortest remaining work
+        # first gives the lowest mean wait). When none fits, the longest waiting prompt
+        # takes the budget (a part of a prompt gives no first token, so only one is cut),
+        # and long prompts are read in arrival order.
+        for seq in sorted(reading, key=lambda q: len(q.prefill) - q.prefill_pos):
             left = len(seq.prefill) - seq.prefill_pos
-            if i and left > cap - n:
-                break  # whole prompts only after the first: a part would give no first token
-            k = min(left, cap - n)
-            if k <= 0:
+            if left > cap - n:
                 break
-            take[seq.seq_id] = (seq, k)
-            n += k
+            take[seq.seq_id] = (seq, left)
+            n += left
+        if reading and not any(seq.seq_id in take for seq in reading) and cap > n:
+            seq = reading[0]
+            take[seq.seq_id] = (seq, cap - n)
+            n = cap
         fillers = self._fill_holes(take)
         n = 0
         for seq_id in sorted(take):
