@@ -36,11 +36,14 @@ machine this noisy). Usage:
   .venv/bin/python bench/serving.py [--rounds 5] [--model smollm2|gemma] [--only a,b]
 BENCH_LOG_LEVEL=INFO keeps the stack's migrations and retries in var/bench/log/ (to diagnose
 a run; it costs the serving path time). LLAMAFLEET_AGENT_FLASH_ATTN=off (or on) runs our
-agent so, llama-server keeping its default; such runs keep their parts under names of their
-own (prefix_routing_flash_attn_off, ...). --node-core (one stream, 8 streams) gives the node
-a core of its own, as a fleet's node has with its control plane on other machines: our agent
-and engine, or llama-server, on the last core with one thread; the web process, Celery,
-Redis and this client on the others; its parts are kept as ..._node_core.
+agent so, llama-server keeping its default; LLAMA_SERVER_FLASH_ATTN=off (or on) gives
+llama-server's -fa the same way (both off: each side on the setting a user serving long
+chats on a CPU would pick). Such runs keep their parts under names of their own
+(prefix_routing_flash_attn_off, multi_turn_chat_flash_attn_off_server_fa_off, ...).
+--node-core (one stream, 8 streams) gives the node a core of its own, as a fleet's node has
+with its control plane on other machines: our agent and engine, or llama-server, on the last
+core with one thread; the web process, Celery, Redis and this client on the others; its
+parts are kept as ..._node_core.
 """
 
 from __future__ import annotations
@@ -281,6 +284,7 @@ class LlamaServer:
                 "--host", "127.0.0.1",
                 "--port", str(port),
                 *template_args,
+                *(["-fa", SERVER_FLASH_ATTN] if SERVER_FLASH_ATTN else []),
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -668,6 +672,8 @@ async def multi_turn(targets: list[Target], rounds: int, turns: int = 6, tokens:
 
 #: The bench stack's agent takes LLAMAFLEET_AGENT_FLASH_ATTN from this environment.
 FLASH_ATTN = os.environ.get("LLAMAFLEET_AGENT_FLASH_ATTN", "auto")
+#: llama-server's -fa, where it is not left at its default (auto).
+SERVER_FLASH_ATTN = os.environ.get("LLAMA_SERVER_FLASH_ATTN", "")
 
 
 def pin(pids: list[int], cpus: set[int]) -> None:
@@ -1002,7 +1008,8 @@ async def compare(args, model_path: Path, catalog_name: str, only) -> dict:
         "context_per_slot": CONTEXT,
         "threads": THREADS,
         "reference": "llama-server from llama-cpp-python 0.3.36's vendored llama.cpp, "
-        f"-np {SLOTS} -c {SLOTS * CONTEXT} -t {THREADS}",
+        f"-np {SLOTS} -c {SLOTS * CONTEXT} -t {THREADS}"
+        + (f" -fa {SERVER_FLASH_ATTN}" if SERVER_FLASH_ATTN else ""),
     }
 
     def show(name: str) -> None:
@@ -1187,11 +1194,20 @@ def main() -> None:
     if FLASH_ATTN != "auto":
         run["agent_flash_attn"] = FLASH_ATTN
         variant = f"_flash_attn_{FLASH_ATTN}"
+    if SERVER_FLASH_ATTN:
+        run["server_flash_attn"] = SERVER_FLASH_ATTN
+        variant += f"_server_fa_{SERVER_FLASH_ATTN}"
     if args.node_core:
         run["node_core"] = True
         variant += "_node_core"
     if variant:
+        # Its parts carry their own reference line; the file's top-level one stays the
+        # default runs'.
+        for v in result.values():
+            if isinstance(v, dict):
+                v["reference"] = result["reference"]
         result = {(f"{k}{variant}" if isinstance(v, dict) else k): v for k, v in result.items()}
+        result = {k: v for k, v in result.items() if isinstance(v, dict) or k not in old}
     history = old.get("history", []) + [run]
     # A part measured again replaces its old figures; parts this run did not measure (the
     # runs with the host cache off, say) keep theirs, with their own measured_at.
