@@ -1201,11 +1201,12 @@ def main() -> None:
         run["node_core"] = True
         variant += "_node_core"
     if variant:
-        # Its parts carry their own reference line; the file's top-level one stays the
-        # default runs'.
-        for v in result.values():
-            if isinstance(v, dict):
-                v["reference"] = result["reference"]
+        # Its parts carry their own reference line (one-replica parts have one; the
+        # routing part names its pair); the file's top-level one stays the default runs'.
+        if "reference" in result:
+            for v in result.values():
+                if isinstance(v, dict):
+                    v["reference"] = result["reference"]
         result = {(f"{k}{variant}" if isinstance(v, dict) else k): v for k, v in result.items()}
         result = {k: v for k, v in result.items() if isinstance(v, dict) or k not in old}
     history = old.get("history", []) + [run]

@@ -850,10 +850,8 @@ class BatchEngine:
                 break
             take[seq.seq_id] = (seq, left)
             n += left
-        if reading and not any(seq.seq_id in take for seq in reading) and cap > n:
-            seq = reading[0]
-            take[seq.seq_id] = (seq, cap - n)
-            n = cap
+        if reading and n == len(decoding) and cap > n:  # none fits whole
+            take[reading[0].seq_id] = (reading[0], cap - n)
         fillers = self._fill_holes(take)
         n = 0
         for seq_id in sorted(take):
