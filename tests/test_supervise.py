@@ -24,6 +24,17 @@ def stack(tmp_path):
         stack.stop(name)
 
 
+def command_line(pid: int) -> list[str]:
+    """The process's argv once it has run exec (between fork and exec it reads empty)."""
+    deadline = time.monotonic() + 10
+    while True:
+        with open(f"/proc/{pid}/cmdline") as f:
+            argv = f.read().split("\0")
+        if argv != [""] or time.monotonic() > deadline:
+            return argv
+        time.sleep(0.01)
+
+
 def killed(stack, name: str) -> int:
     pid = stack.pid(name)
     os.killpg(pid, signal.SIGKILL)
@@ -42,7 +53,7 @@ def test_an_exited_process_starts_again_with_its_command_line(stack):
     assert stack.restart_exited(state, time.monotonic()) == ["worker"]
     second = stack.pid("worker")
     assert second and second != first
-    assert open(f"/proc/{second}/cmdline").read().split("\0")[:3] == SLEEP
+    assert command_line(second)[:3] == SLEEP
     assert stack.restart_exited(state, time.monotonic()) == []  # running: left alone
 
 
