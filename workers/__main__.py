@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _agent_options(a: argparse.ArgumentParser) -> None:
-    from workers.engine.process import FLASH_ATTN_MODES, PROMPT_CACHE_MIB
+    from workers.engine.process import FLASH_ATTN_MODES, PROMPT_CACHE_MIB, STREAM_INTERVAL_MS
 
     a.add_argument(
         "--name",
@@ -94,9 +94,10 @@ def _agent_options(a: argparse.ArgumentParser) -> None:
     a.add_argument(
         "--stream-interval-ms",
         type=float,
-        default=float(_env("LLAMAFLEET_STREAM_INTERVAL_MS", "20")),
+        default=float(_env("LLAMAFLEET_STREAM_INTERVAL_MS", str(STREAM_INTERVAL_MS))),
         help="merge a stream's pieces produced within this many ms into one message; the "
-        "first is never held (LLAMAFLEET_STREAM_INTERVAL_MS; default 20, 0 for one per token)",
+        f"first is never held (LLAMAFLEET_STREAM_INTERVAL_MS; default {STREAM_INTERVAL_MS:g}, "
+        "0 for one per token)",
     )
     a.add_argument(
         "--prompt-cache-mib",

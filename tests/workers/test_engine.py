@@ -680,47 +680,54 @@ def test_the_invariant_mode_keeps_no_prompt_cache(invariant):
 
 
 def test_prompts_arriving_together_are_read_shortest_first_within_the_budget(smollm2_path):
-    """Throughput mode: prompts arriving together are read whole, the shortest first, at
-    most PROMPT_BUDGET tokens a step, so the first ones reach their first token at once
-    instead of all waiting for all; one arriving later is read alongside the others'
-    decoding, not after it."""
+    """Throughput mode: prompts arriving together with nothing running are read in one
+    step, as llama-server fills its batch (no stream waits on it). Prompts arriving beside
+    running streams are read whole, the shortest first, at most PROMPT_BUDGET tokens a step
+    alongside the streams' decoding, so the first ones reach their first token at once and
+    the streams are not held up by all of them."""
     from workers.engine import core
 
-    e = BatchEngine(str(smollm2_path), context_length=512, parallel=8, threads=2)
+    e = BatchEngine(str(smollm2_path), context_length=512, parallel=14, threads=2)
     try:
         topics = ["owls", "trains", "rain and thunder over the hills", "bread", "maps", "tea"]
         topics.append("snow falling on a quiet town at night")
         prompts = [chat_tokens(e, [{"role": "user", "content": f"On {t}."}]) for t in topics]
         assert len({len(p) for p in prompts}) > 1  # lengths differ: the order is by length
+        assert sum(map(len, prompts)) > core.PROMPT_BUDGET  # the budget would bind here
         for i, p in enumerate(prompts):
             e.submit(Request(f"s{i}", p, 8, GREEDY))
-        by_length = sorted(range(7), key=lambda i: (len(prompts[i]), i))
+        first = {ev.id for ev in e.step() if isinstance(ev, (Token, Done))}
+        assert first == {f"s{i}" for i in range(7)}  # all read in the first step
+
+        # Beside the 7 running streams the budget binds: the shortest whole prompts first.
+        later = [
+            chat_tokens(e, [{"role": "user", "content": f"About {t}, please."}]) for t in topics
+        ]
+        for i, p in enumerate(later):
+            e.submit(Request(f"t{i}", p, 8, GREEDY))
+        by_length = sorted(range(7), key=lambda i: (len(later[i]), i))
+        running = {q.req.request_id for q in e.active.values() if q.req.request_id[0] == "s"}
         fits = max(
-            k for k in range(8) if sum(len(prompts[i]) for i in by_length[:k]) <= core.PROMPT_BUDGET
+            k
+            for k in range(8)
+            if len(running) + sum(len(later[i]) for i in by_length[:k])
+            <= len(running) + core.PROMPT_BUDGET
         )
-        assert 0 < fits < len(prompts)  # the budget binds here
-        first_step = {}
-        step = 0
-        while len(first_step) < len(prompts):
+        assert 0 < fits < len(later)
+        second = {ev.id for ev in e.step() if isinstance(ev, (Token, Done))}
+        assert second == running | {f"t{i}" for i in by_length[:fits]}
+        nxt = f"t{by_length[fits]}"
+        [q] = [q for q in e.active.values() if q.req.request_id == nxt]
+        assert q.prefill_pos == 0  # not begun: a part of a prompt gives no first token
+        first_step = {f"t{i}": 1 for i in by_length[:fits]}
+        step = 1
+        while len(first_step) < len(later):
             step += 1
             for ev in e.step():
-                if isinstance(ev, (Token, Done)):
+                if isinstance(ev, (Token, Done)) and ev.id[0] == "t":
                     first_step.setdefault(ev.id, step)
-            if step == 1:  # the next prompt is not begun: a part of it gives no first token
-                nxt = f"s{by_length[fits]}"
-                [q] = [q for q in e.active.values() if q.req.request_id == nxt]
-                assert q.prefill_pos == 0
-        assert sorted(i for i in range(7) if first_step[f"s{i}"] == 1) == sorted(by_length[:fits])
-        order = [first_step[f"s{i}"] for i in by_length]
+        order = [first_step[f"t{i}"] for i in by_length]
         assert order == sorted(order)  # the shortest first
-        e.submit(
-            Request("late", chat_tokens(e, [{"role": "user", "content": "On bees."}]), 8, GREEDY)
-        )
-        running = {f"s{i}" for i in range(7)} - {
-            d for d in first_step if not any(s.req.request_id == d for s in e.active.values())
-        }
-        second = {ev.id for ev in e.step() if isinstance(ev, (Token, Done))}
-        assert second == running | {"late"}
         while not e.idle():
             e.step()
     finally:

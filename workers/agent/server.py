@@ -20,7 +20,7 @@ from workers import tls
 from workers.agent.metrics import MetricsServer
 from workers.agent.service import NodeAgentService
 from workers.agent.store import ModelStore
-from workers.engine.process import PROMPT_CACHE_MIB
+from workers.engine.process import PROMPT_CACHE_MIB, STREAM_INTERVAL_MS
 from workers.tls import TLSFiles
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class AgentSettings:
     #: host:port of a plaintext server with only the gRPC health service, for probes that
     #: cannot speak mutual TLS (Kubernetes' grpc probe); "" for none.
     health_listen: str = ""
-    stream_interval_ms: float = 20.0  # pieces of one stream closer than this are merged
+    stream_interval_ms: float = STREAM_INTERVAL_MS  # a stream's pieces closer are merged
     prompt_cache_mib: int = PROMPT_CACHE_MIB  # host RAM per replica; 0 for none
     flash_attn: str = "auto"  # auto, on or off, for whole replicas (see BatchEngine)
     drain_seconds: float = 30.0  # on SIGTERM, how long generations in flight may finish

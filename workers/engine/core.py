@@ -41,8 +41,8 @@ from workers.engine.process import FLASH_ATTN_MODES, PROMPT_CACHE_MIB
 
 #: Same default as llama-cpp-python's Llama(n_batch=512): prompts decode in chunks of this.
 N_BATCH = 512
-#: Prompt tokens one step takes while other sequences share it (see _step_throughput): a
-#: running stream waits at most one such chunk for a new prompt. On 2 cores, 64 against 128
+#: Prompt tokens one step takes beside running streams (see _step_throughput): a running
+#: stream waits at most one such chunk for a new prompt. On 2 cores, 64 against 128
 #: gave 8 streams a median first token of 0.82x against 1.04x llama-server's, at the same
 #: throughput (README, "Numbers measured here").
 PROMPT_BUDGET = 64
@@ -834,10 +834,16 @@ class BatchEngine:
             (reading if seq.prefill_pos < len(seq.prefill) else decoding).append(seq)
         take: dict[int, tuple[_Sequence | None, int]] = {s.seq_id: (s, 1) for s in decoding}
         n = len(decoding)
-        # A prompt alone takes a whole batch; beside others it takes the budget, leaving
-        # room for the fillers of idle slots (one token each, see _fill_holes).
-        alone = n == 0 and len(reading) == 1
-        cap = N_BATCH if alone else min(N_BATCH - self.parallel, n + PROMPT_BUDGET)
+        # Beside running streams prompts take the budget: a stream waits at most that chunk.
+        # With none running no stream waits, so prompts fill the batch, as llama-server
+        # fills its own: short requests that end at their first token (a classifier's) were
+        # read two or three a step within the budget, and are now read all at once (1.09x
+        # the requests a second, 2026-12-05). A prompt alone takes the whole batch; others
+        # leave room for the fillers of idle slots (one token each, see _fill_holes).
+        if n == 0:
+            cap = N_BATCH if len(reading) == 1 else N_BATCH - self.parallel
+        else:
+            cap = min(N_BATCH - self.parallel, n + PROMPT_BUDGET)
         # Whole prompts that fit go first, the shortest first: a follow-up turn whose
         # history is cached reads a few tokens and has its first token after this step
         # rather than behind a new conversation's long prompt (shortest remaining work
