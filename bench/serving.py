@@ -13,6 +13,8 @@ llama-server's figure from the same run:
 - single stream: decode tokens/s (128 tokens), and time to first token of a cold prompt
   (`"cache_prompt": false` on both sides);
 - 8 concurrent streams: aggregate tokens/s and median time to first token;
+- short requests: 16 clients each sending one short chat after another, answered with one
+  token, not streamed (a classifier's traffic): requests a second and median latency;
 - multi-turn chat: 6 turns, a system prompt of about 450 tokens, history resent each turn;
   median time to first token of turns 2-6;
 - more conversations than slots: 16 chats of that kind take turns one request at a time, so
@@ -627,6 +629,82 @@ async def concurrent(targets: list[Target], rounds: int, tokens: int, n: int = 8
     return out
 
 
+#: The short-requests part: clients each sending one request after another for this long a
+#: round, every request a one-token answer (a classifier's, a router's, a yes or no).
+SHORT_CLIENTS, SHORT_SECONDS = 16, 10.0
+
+
+async def short_requests(targets: list[Target], rounds: int) -> dict:
+    """Requests a second with SHORT_CLIENTS clients each sending, not streamed, one short
+    chat after another whose answer is one token, for SHORT_SECONDS a round per target, and
+    the CPU each part spent per request. Here every request pays the whole path (the web
+    process, the agent, the chat template, a prompt read) for one token: what applications
+    that classify or route text ask of a server."""
+    rows = {t.name: {"rps": [], "latency": []} for t in targets}
+    cpu = {t.name: {} for t in targets}
+    counts = {t.name: 0 for t in targets}
+    per_round = []
+
+    async def client_loop(client, t: Target, c: int, until: float, latency: list) -> int:
+        n = 0
+        while time.perf_counter() < until:
+            body = {
+                "model": t.model,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": f"Is this review positive? Answer yes or no. Review "
+                        f"{c}.{n}: {TOPICS[(c + n) % len(TOPICS)]} was a delight.",
+                    }
+                ],
+                "temperature": 0,
+                "max_tokens": 1,
+            }
+            start = time.perf_counter()
+            resp = await client.post(t.url + "/v1/chat/completions", json=body, headers=t.headers)
+            if resp.status_code != 200 or resp.json()["usage"]["completion_tokens"] != 1:
+                raise RuntimeError(f"{t.name}: HTTP {resp.status_code}: {resp.text[:300]}")
+            latency.append(time.perf_counter() - start)
+            n += 1
+        return n
+
+    async with http_client() as client:
+        for t in targets:  # warm both
+            await client_loop(client, t, 0, time.perf_counter() + 1.0, [])
+        for r in range(rounds):
+            for t in alternate(targets, r):
+                parts = t.processes()
+                before = cpu_seconds(parts)
+                latency: list[float] = []
+                t0 = time.perf_counter()
+                done = await asyncio.gather(
+                    *(
+                        client_loop(client, t, c, t0 + SHORT_SECONDS, latency)
+                        for c in range(SHORT_CLIENTS)
+                    )
+                )
+                wall = time.perf_counter() - t0
+                after = cpu_seconds(parts)
+                for part in after:
+                    cpu[t.name][part] = cpu[t.name].get(part, 0.0) + after[part] - before[part]
+                counts[t.name] += sum(done)
+                rows[t.name]["rps"].append(sum(done) / wall)
+                rows[t.name]["latency"].append(med(latency))
+            per_round.append(rows["llamafleet"]["rps"][-1] / rows["llama_server"]["rps"][-1])
+    out = {"rounds": rounds, "clients": SHORT_CLIENTS, "seconds_per_round": SHORT_SECONDS}
+    for name, v in rows.items():
+        out[name] = {
+            "requests_per_s": med(v["rps"]),
+            "median_latency_ms": 1000 * med(v["latency"]),
+            "cpu_ms_per_request": {
+                part: round(1000 * sec / counts[name], 2) for part, sec in cpu[name].items()
+            },
+        }
+    out["ratio"] = ratios(out["llamafleet"], out["llama_server"])
+    out["round_ratios"] = [round(x, 3) for x in per_round]
+    return out
+
+
 async def conversation(
     client, t: Target, session: str, first: str, turns: int, max_tokens: int, think=None
 ) -> list[dict]:
@@ -1026,6 +1104,7 @@ async def compare(args, model_path: Path, catalog_name: str, only) -> dict:
         for name, run in (
             ("single_stream", lambda: single_stream([fleet, server], args.rounds, args.tokens)),
             ("concurrent_8", lambda: concurrent([fleet, server], args.rounds, args.tokens)),
+            ("short_requests", lambda: short_requests([fleet, server], 3)),
             ("multi_turn_chat", lambda: multi_turn([fleet, server], max(args.rounds // 2, 2))),
             (many_name(), lambda: many_conversations([fleet, server], 2)),
         ):
@@ -1100,6 +1179,11 @@ HEADLINES = {
         "median_ttft_ratio": "ratio.median_ttft_ms",
         "round_ratios": "round_ratios",
     },
+    "short_requests": {
+        "requests_per_s_ratio": "ratio.requests_per_s",
+        "median_latency_ratio": "ratio.median_latency_ms",
+        "round_ratios": "round_ratios",
+    },
     "multi_turn_chat": {"later_turns_ttft_ratio": "ratio.later_turns_median_ttft_ms"},
     "many_conversations": {"later_turns_ttft_ratio": "ratio.later_turns_median_ttft_ms"},
     "prefix_routing": {
@@ -1145,7 +1229,8 @@ def main() -> None:
     parser.add_argument(
         "--only",
         default="",
-        help="single_stream,concurrent_8,multi_turn_chat,many_conversations,routing,failover",
+        help="single_stream,concurrent_8,short_requests,multi_turn_chat,many_conversations,"
+        "routing,failover",
     )
     parser.add_argument("--keep", action="store_true", help="leave the bench stack running")
     parser.add_argument(
@@ -1167,6 +1252,7 @@ def main() -> None:
         if only is None or only & {
             "single_stream",
             "concurrent_8",
+            "short_requests",
             "multi_turn_chat",
             "many_conversations",
         }:

@@ -50,6 +50,12 @@ TARGETS = [
     ),
     ("concurrent_8", "tokens_per_s_ratio", "8 streams, throughput", at_least(1.0)),
     ("concurrent_8", "median_ttft_ratio", "8 streams, median TTFT", at_most(1.0)),
+    (
+        "short_requests",
+        "requests_per_s_ratio",
+        "short requests (one token each), requests a second",
+        NO_TARGET,
+    ),
     ("multi_turn_chat", "later_turns_ttft_ratio", "6-turn chat, TTFT of turns 2-6", at_most(1.2)),
     ("many_conversations", "later_turns_ttft_ratio", "16 chats on 8 slots, TTFT", NO_TARGET),
     (
@@ -109,7 +115,7 @@ def summarize(history: list[dict], since: str = "", node_core: bool = False) -> 
             "target": target,
             "met": sum(map(test, numbers)) if test else None,
         }
-        if figure == "tokens_per_s_ratio":
+        if figure in ("tokens_per_s_ratio", "requests_per_s_ratio"):
             rounds = [x for r in runs for x in r.get(part, {}).get("round_ratios") or []]
             row["rounds"] = len(rounds)
             row["rounds_median"] = statistics.median(rounds) if rounds else None

@@ -31,6 +31,7 @@ HISTORY = [
     {
         "measured_at": "2026-12-04T13:00:00Z",
         "single_stream": {"decode_ratio": 0.94, "cold_ttft_paired_difference_ms": 10.0},
+        "short_requests": {"requests_per_s_ratio": 1.05, "round_ratios": [1.0, 1.1, 1.05]},
     },
 ]
 
@@ -58,3 +59,12 @@ def test_all_runs_without_a_date_and_the_table():
 def test_the_node_core_runs_alone():
     [tps] = [r for r in summary.summarize(HISTORY, node_core=True) if "throughput" in r["figure"]]
     assert (tps["runs"], tps["latest"], tps["met"]) == (1, 0.5, 0)
+
+
+def test_a_figure_without_a_target_counts_its_rounds_and_meets_nothing():
+    rows = {r["figure"]: r for r in summary.summarize(HISTORY)}
+    short = rows["short requests (one token each), requests a second"]
+    assert (short["runs"], short["latest"], short["met"]) == (1, 1.05, None)
+    assert (short["rounds"], short["rounds_median"]) == (3, 1.05)
+    [line] = [x for x in summary.markdown(list(rows.values())).splitlines() if "short" in x]
+    assert line.endswith("| 1.05 to 1.05 (1.05); its 3 rounds: median 1.050 |  |  |")
