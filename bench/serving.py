@@ -1051,9 +1051,10 @@ async def routing_decisions(key: str) -> dict[str, float]:
 
 
 async def engine_ttft() -> tuple[float, float]:
-    """The agent's own time to first token so far (from the engine process reading a request off
-    its pipe to its first token, queueing included): its histogram's sum and count. Beside the
-    client's figure it splits a turn's wait between the engines and the path in front of them."""
+    """The agent's own time to first token so far (from the agent handing a request to its
+    engine process to its first token: the wait for the step in progress and for a slot
+    included): its histogram's sum and count. Beside the client's figure it splits a turn's
+    wait between the engines and the path in front of them."""
     name = "llamafleet_agent_time_to_first_token_seconds"
     lines = await metric_lines(
         saved_secret("LLAMAFLEET_METRICS_TOKEN"),

@@ -228,6 +228,31 @@ def test_headers_go_out_before_the_first_token(agent, stub):
     assert list(waiting)[-1].finish_reason
 
 
+def test_time_to_first_token_counts_the_wait_for_the_step_in_progress(stub):
+    """The engine reads new requests between steps: one arriving while a long prompt is
+    being read waits in the pipe until that step ends. The time to first token the agent
+    reports (its metrics, the usage it returns) starts when the agent hands the request
+    over, so that wait is in it: it is about what the agent's caller saw."""
+    load(stub, context_length=2048, parallel=2)
+    story = [{"role": "user", "content": "Tell me everything about owls. " * 250}]
+    long = stub.RunInference(chat(messages=story, max_tokens=2), metadata=AUTH)
+    with ThreadPoolExecutor(1) as pool:
+        first_long = pool.submit(next, long)
+        time.sleep(0.3)  # the long prompt's first steps (512 tokens each) are under way
+        start = time.monotonic()
+        short = stub.RunInference(chat(max_tokens=2), metadata=AUTH)
+        first = next(short)
+        seen = time.monotonic() - start
+        msgs = [first, *short]
+        first_long.result(timeout=60)
+    long.cancel()
+    reported = msgs[-1].timings.time_to_first_token
+    assert seen > 0.1  # it did wait for a step (each reads 512 prompt tokens)
+    # What the agent reports covers what was seen here, short of the two gRPC hops.
+    assert reported >= 0.9 * seen - 0.02, (reported, seen)
+    assert reported <= seen
+
+
 def test_free_memory_stops_the_engine_and_is_idempotent(agent, stub):
     load(stub)
     pid = agent.engine_pid("r1")

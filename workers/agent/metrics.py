@@ -67,7 +67,8 @@ class AgentMetrics:
         )
         self.time_to_first_token = Histogram(
             "llamafleet_agent_time_to_first_token_seconds",
-            "From the engine receiving a request to its first token (queueing included).",
+            "From the agent handing a request to its engine to its first token (the wait for "
+            "the step in progress and for a slot included).",
             ["model"],
             buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 1, 2, 5, 10, 30),
             registry=self.registry,

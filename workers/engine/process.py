@@ -240,6 +240,7 @@ def _request(engine, formatter, rid: str, payload: dict):
         max_tokens=int(payload.get("max_tokens") or 0),
         sampling=Sampling(**s),
         stop=list(payload.get("stop") or []),
+        received_at=float(payload.get("sent_at") or time.monotonic()),
         resume_tokens=list(payload.get("resume_tokens") or []),
         delivered_bytes=int(payload.get("delivered_bytes") or 0),
         cache_prompt=bool(payload.get("cache_prompt", True)),
@@ -545,7 +546,10 @@ class EngineProcess:
         remaining = int(payload.get("n") or 1)
         self._busy(+1)  # a thread count set now reaches the engine before this request
         try:
-            self._send(Generate(rid, payload))
+            # Its clock starts here, not when the engine reads it: a request that arrives
+            # during a step waits in the pipe until the step ends, and that wait belongs to
+            # its time to first token (CLOCK_MONOTONIC is the machine's, shared by both).
+            self._send(Generate(rid, {**payload, "sent_at": time.monotonic()}))
             while True:
                 msg = await queue.get()
                 if isinstance(msg, Error):
