@@ -51,13 +51,18 @@ async def test_migrated_failed_and_rejected_requests_are_recorded(
     two_replicas, alice_key, settings
 ):
     _, agents = two_replicas
+    # Greedy: a sampled story may end before its 60 tokens (seen once in CI, 42).
     resp = await post(
-        alice_key, {"model": SMOLLM2, "messages": STORY, "max_tokens": 60, "stream": True}
-    )
+        alice_key,
+        {"model": SMOLLM2, "messages": STORY, "max_tokens": 60, "stream": True,
+         "temperature": 0, "stream_options": {"include_usage": True}},
+    )  # fmt: skip
     first = agents[resp["X-LlamaFleet-Replica"]]
-    await read_killing_replica(resp, agents, after=4)
+    chunks = await read_killing_replica(resp, agents, after=4)
+    usage = json.loads(chunks[-2].decode().removeprefix("data: "))["usage"]
     [moved] = await records()
     assert moved.outcome == "migrated" and moved.completion_tokens == 60
+    assert usage["completion_tokens"] == 60  # what the client was told, from both replicas
     assert len(moved.replicas) == 2 and moved.replicas[0] == first.replica_id
     # Now only one replica is left: killing it fails the stream.
     resp = await post(
