@@ -58,9 +58,9 @@ async def http(scope, receive, send):
     first sync call starts a thread for the request and the end joins it; an API request's
     only sync call is Django closing the response (request_finished), so each request
     started and joined a thread for that alone. Outside the context the close runs in
-    asgiref's one long-lived sync thread: 0.5-0.9 ms less CPU in the web process a request
-    and a hot first token 0.8-1.4 ms sooner, one request at a time (bench/NOTES.md,
-    2026-12-05 18:50 UTC). The rest of Django (DRF's sync views, the console, the admin)
+    asgiref's one long-lived sync thread: 0.4-0.9 ms less CPU in the web process a request
+    and a warm first token 0.8-1.4 ms sooner, one request at a time (bench/NOTES.md,
+    2026-12-05 17:48 UTC). The rest of Django (DRF's sync views, the console, the admin)
     keeps its thread per request, so a slow one never holds up another."""
     if scope["path"] == HEARTBEAT_PATH:
         return await heartbeat_lane(scope, receive, send)

@@ -147,7 +147,7 @@ MAX_HOLD = 0.1
 #: The agent's --stream-interval-ms default (see Outbox): 20 updates a second, smooth to a
 #: reader. Every message costs the agent, the web process and the client about a
 #: millisecond of CPU on the cores the decode threads use: one stream decoded 4-6% faster
-#: at 50 ms than at 20 (86.3 against 91.2 and 84.8 against 88.3 tokens/s, alternating in
+#: at 50 ms than at 20 (91.2 against 86.3 and 88.3 against 84.8 tokens/s, alternating in
 #: one run each, 2026-12-05); from two streams on the hold reaches MAX_HOLD either way.
 STREAM_INTERVAL_MS = 50.0
 
