@@ -822,6 +822,37 @@ def test_a_step_over_scattered_slots_is_one_run_of_consecutive_slots(smollm2_pat
 # ---- structured outputs -----------------------------------------------------------------------
 
 
+def test_a_json_string_refuses_raw_control_characters(engine):
+    """JSON forbids a raw newline inside a string, and so does the grammar (llama-cpp-
+    python's converter allowed one, and a stream moved to another replica once wrote it,
+    which a JSON parser then refused); a plain character still goes in."""
+    import ctypes
+    import json
+
+    import llama_cpp as L
+
+    from workers.engine.core import grammar_for_schema
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    grammar = engine._grammar_sampler(grammar_for_schema(json.dumps(schema)))
+    try:
+        for token in engine.tokenize('{"a": "x', False, False):  # inside the string
+            L.llama_sampler_accept(grammar, token)
+
+        def allowed(text: str) -> bool:
+            [token] = engine.tokenize(text, False, False)
+            one = (L.llama_token_data * 1)(L.llama_token_data(token, 1.0, 0.0))
+            L.llama_sampler_apply(
+                grammar, ctypes.byref(L.llama_token_data_array(one, 1, -1, False))
+            )
+            return one[0].logit != float("-inf")
+
+        assert allowed("y")
+        assert not allowed("\n") and not allowed("\t")
+    finally:
+        L.llama_sampler_free(grammar)
+
+
 def test_a_json_schema_grammar_shapes_the_output(engine):
     import json
 

@@ -1108,6 +1108,12 @@ class BatchEngine:
         L.llama_model_free(self.model)
 
 
+#: A JSON string's character in GBNF: llama-cpp-python's rule, and llama.cpp's (no control
+#: characters, no DEL).
+_LOOSE_CHAR = r'char ::= [^"\\] |'
+_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
+
+
 def grammar_for_schema(schema_json: str) -> str:
     """GBNF for a JSON schema (llama.cpp's converter, as llama-server uses); EngineError
     INVALID_SCHEMA naming what it could not express."""
@@ -1117,7 +1123,10 @@ def grammar_for_schema(schema_json: str) -> str:
 
     try:
         json.loads(schema_json)
-        return json_schema_to_gbnf(schema_json)
+        # llama-cpp-python's converter lets a string hold raw control characters (a raw
+        # newline), which JSON forbids: a parser then refuses the answer (seen after a
+        # stream moved replicas). llama.cpp's own converter excludes them, as here.
+        return json_schema_to_gbnf(schema_json).replace(_LOOSE_CHAR, _JSON_CHAR)
     except Exception as exc:  # the converter raises ValueError, KeyError, NotImplementedError
         raise EngineError(
             errors.INVALID_SCHEMA, f"the JSON schema cannot be expressed as a grammar: {exc}"
