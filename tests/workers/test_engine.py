@@ -886,6 +886,43 @@ def test_a_json_schema_grammar_shapes_the_output(engine):
     assert not texts["free"].lstrip().startswith("{")  # the others are not constrained
 
 
+def test_enum_and_const_values_come_out_as_their_json(engine):
+    """A value the schema fixes is written as its JSON text, whatever characters it holds:
+    llama-cpp-python's converter left backslashes unescaped in the grammar, so a quote cut
+    the literal short and an escaped newline became a raw one, which JSON forbids."""
+    import json
+
+    from workers.engine.core import grammar_for_schema
+
+    values = ['say "hi"', "C:\\temp", "two\nlines", "café"]
+    schema = {
+        "type": "object",
+        "properties": {
+            **{f"e{i}": {"enum": [v]} for i, v in enumerate(values)},
+            'k"\\': {"const": "x"},  # a property name needing escapes
+        },
+        "required": [*(f"e{i}" for i in range(len(values))), 'k"\\'],
+    }
+    prompt = chat_tokens(engine, [{"role": "user", "content": "Answer in JSON."}])
+    texts, done, errors = run(
+        engine,
+        [
+            Request(
+                "c",
+                prompt,
+                80,
+                Sampling(temperature=0.0, grammar=grammar_for_schema(json.dumps(schema))),
+            )
+        ],
+    )
+    assert not errors and done["c"].reason == "stop", texts["c"]
+    assert json.loads(texts["c"]) == {
+        **{f"e{i}": v for i, v in enumerate(values)},
+        'k"\\': "x",
+    }, texts["c"]
+    assert "café" in texts["c"]  # as itself, not spelled as a \u escape
+
+
 def test_a_schema_the_grammar_cannot_express_is_refused_by_name(engine):
     from workers.engine.core import grammar_for_schema
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import dataclasses
+import functools
 import math
 import random
 import time
@@ -1108,25 +1109,51 @@ class BatchEngine:
         L.llama_model_free(self.model)
 
 
-#: A JSON string's character in GBNF: llama-cpp-python's rule, and llama.cpp's (no control
-#: characters, no DEL).
-_LOOSE_CHAR = r'char ::= [^"\\] |'
-_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
+@functools.cache
+def _schema_converter():
+    """llama-cpp-python's JSON-schema converter, with llama.cpp's rules where the two differ
+    in what reaches the answer (llama-server runs llama.cpp's):
+
+    - a string's character excludes control characters and DEL, which JSON forbids raw
+      (llama-cpp-python's allowed a raw newline, and a stream moved to another replica once
+      wrote one, which a JSON parser then refused);
+    - a literal escapes backslashes, so an enum or const value or a property name holding
+      a quote, a backslash or an escaped newline is written as its JSON text, not cut short
+      or turned into a raw newline;
+    - a constant keeps its non-ASCII characters as they are (json.dumps would force the
+      model to spell them as \\u escapes)."""
+    import json
+    import re
+
+    from llama_cpp import llama_grammar as G
+
+    escape = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
+    char = G.BuiltinRule(r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})', [])
+
+    class Converter(G.SchemaConverter):
+        def _format_literal(self, literal):
+            return '"' + re.sub(r'[\r\n"\\]', lambda m: escape[m.group(0)], literal) + '"'
+
+        def _generate_constant_rule(self, value):
+            return self._format_literal(json.dumps(value, ensure_ascii=False))
+
+        def _add_primitive(self, name, rule):
+            return super()._add_primitive(name, char if name == "char" else rule)
+
+    return Converter
 
 
 def grammar_for_schema(schema_json: str) -> str:
-    """GBNF for a JSON schema (llama.cpp's converter, as llama-server uses); EngineError
-    INVALID_SCHEMA naming what it could not express."""
+    """GBNF for a JSON schema (see _schema_converter); EngineError INVALID_SCHEMA naming what
+    it could not express."""
     import json
 
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
     try:
-        json.loads(schema_json)
-        # llama-cpp-python's converter lets a string hold raw control characters (a raw
-        # newline), which JSON forbids: a parser then refuses the answer (seen after a
-        # stream moved replicas). llama.cpp's own converter excludes them, as here.
-        return json_schema_to_gbnf(schema_json).replace(_LOOSE_CHAR, _JSON_CHAR)
+        converter = _schema_converter()(
+            prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
+        )
+        converter.visit(converter.resolve_refs(json.loads(schema_json), "stdin"), "")
+        return converter.format_grammar()
     except Exception as exc:  # the converter raises ValueError, KeyError, NotImplementedError
         raise EngineError(
             errors.INVALID_SCHEMA, f"the JSON schema cannot be expressed as a grammar: {exc}"
