@@ -147,11 +147,9 @@ MAX_HOLD = 0.1
 #: The agent's --stream-interval-ms default (see Outbox). Every message costs the agent, the
 #: web process and the client about a millisecond of CPU on the cores the decode threads
 #: use: one stream decoded 4-6% faster at 50 ms than at 20 (91.2 against 86.3 and 88.3
-#: against 84.8 tokens/s, alternating in one run each, 2026-12-05). It stays 20 for now: with
-#: 50 a structured output moved to another replica later in its answer came out with a raw
-#: newline in a JSON string (the grammar allowed one, fixed in grammar_for_schema), and the
-#: suite has not yet run with 50 since (bench/NOTES.md, 2026-12-05 17:48).
-STREAM_INTERVAL_MS = 20.0
+#: against 84.8 tokens/s, alternating in one run each, 2026-12-05). 50 ms is 20 messages a
+#: second, still a smooth stream to read; with many streams Outbox holds up to MAX_HOLD.
+STREAM_INTERVAL_MS = 50.0
 
 
 class Outbox:
