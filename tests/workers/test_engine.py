@@ -889,7 +889,8 @@ def test_a_json_schema_grammar_shapes_the_output(engine):
 def test_enum_and_const_values_come_out_as_their_json(engine):
     """A value the schema fixes is written as its JSON text, whatever characters it holds:
     llama-cpp-python's converter left backslashes unescaped in the grammar, so a quote cut
-    the literal short and an escaped newline became a raw one, which JSON forbids."""
+    the literal short and an escaped newline became a raw one, which JSON forbids. Non-ASCII
+    characters come out as themselves, as llama.cpp writes them, not as \\u escapes."""
     import json
 
     from workers.engine.core import grammar_for_schema
@@ -900,8 +901,9 @@ def test_enum_and_const_values_come_out_as_their_json(engine):
         "properties": {
             **{f"e{i}": {"enum": [v]} for i, v in enumerate(values)},
             'k"\\': {"const": "x"},  # a property name needing escapes
+            "größe": {"const": "😀"},
         },
-        "required": [*(f"e{i}" for i in range(len(values))), 'k"\\'],
+        "required": [*(f"e{i}" for i in range(len(values))), 'k"\\', "größe"],
     }
     prompt = chat_tokens(engine, [{"role": "user", "content": "Answer in JSON."}])
     texts, done, errors = run(
@@ -910,7 +912,7 @@ def test_enum_and_const_values_come_out_as_their_json(engine):
             Request(
                 "c",
                 prompt,
-                80,
+                120,
                 Sampling(temperature=0.0, grammar=grammar_for_schema(json.dumps(schema))),
             )
         ],
@@ -919,8 +921,10 @@ def test_enum_and_const_values_come_out_as_their_json(engine):
     assert json.loads(texts["c"]) == {
         **{f"e{i}": v for i, v in enumerate(values)},
         'k"\\': "x",
+        "größe": "😀",
     }, texts["c"]
-    assert "café" in texts["c"]  # as itself, not spelled as a \u escape
+    for text in ("café", "größe", "😀"):  # as themselves, not spelled as \u escapes
+        assert text in texts["c"], texts["c"]
 
 
 def test_a_schema_the_grammar_cannot_express_is_refused_by_name(engine):

@@ -1117,11 +1117,11 @@ def _schema_converter():
     - a string's character excludes control characters and DEL, which JSON forbids raw
       (llama-cpp-python's allowed a raw newline, and a stream moved to another replica once
       wrote one, which a JSON parser then refused);
-    - a literal escapes backslashes, so an enum or const value or a property name holding
-      a quote, a backslash or an escaped newline is written as its JSON text, not cut short
-      or turned into a raw newline;
-    - a constant keeps its non-ASCII characters as they are (json.dumps would force the
-      model to spell them as \\u escapes)."""
+    - a literal (an enum or const value, a property name: JSON text) escapes backslashes,
+      so a quote, a backslash or an escaped newline in it is written as JSON, not cut
+      short or turned into a raw newline;
+    - and keeps non-ASCII characters as they are: json.dumps escapes them, which would
+      make the model spell "é" as a \\u escape."""
     import json
     import re
 
@@ -1129,13 +1129,24 @@ def _schema_converter():
 
     escape = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
     char = G.BuiltinRule(r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})', [])
+    # json.dumps's \u escapes, a surrogate pair as one; an escaped backslash is matched
+    # first so that the "u" after it is left alone
+    u_escape = re.compile(r"\\\\|\\u(d[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|[0-9a-f]{4})")
+
+    def as_is(m):
+        code = m.group(1)
+        if (
+            code is None
+            or len(code) == 4
+            and (int(code, 16) < 0x80 or 0xD800 <= int(code, 16) < 0xE000)
+        ):
+            return m.group(0)  # a control character (or a lone surrogate) stays escaped
+        return json.loads(f'"\\u{code}"')
 
     class Converter(G.SchemaConverter):
         def _format_literal(self, literal):
+            literal = u_escape.sub(as_is, literal)
             return '"' + re.sub(r'[\r\n"\\]', lambda m: escape[m.group(0)], literal) + '"'
-
-        def _generate_constant_rule(self, value):
-            return self._format_literal(json.dumps(value, ensure_ascii=False))
 
         def _add_primitive(self, name, rule):
             return super()._add_primitive(name, char if name == "char" else rule)
