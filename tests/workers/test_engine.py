@@ -822,10 +822,10 @@ def test_a_step_over_scattered_slots_is_one_run_of_consecutive_slots(smollm2_pat
 # ---- structured outputs -----------------------------------------------------------------------
 
 
-def test_a_json_string_refuses_raw_control_characters(engine):
-    """JSON forbids a raw newline inside a string, and so does the grammar (llama-cpp-
-    python's converter allowed one, and a stream moved to another replica once wrote it,
-    which a JSON parser then refused); a plain character still goes in."""
+def grammar_takes(engine, schema: dict, text: str) -> bool:
+    """Whether the grammar made from `schema` lets the model write `text`, token by token
+    through llama.cpp's grammar sampler (each token is checked before it is accepted: a
+    token the grammar refuses, once accepted, aborts the process)."""
     import ctypes
     import json
 
@@ -833,24 +833,52 @@ def test_a_json_string_refuses_raw_control_characters(engine):
 
     from workers.engine.core import grammar_for_schema
 
-    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
     grammar = engine._grammar_sampler(grammar_for_schema(json.dumps(schema)))
     try:
-        for token in engine.tokenize('{"a": "x', False, False):  # inside the string
-            L.llama_sampler_accept(grammar, token)
-
-        def allowed(text: str) -> bool:
-            [token] = engine.tokenize(text, False, False)
+        for token in engine.tokenize(text, False, False):
             one = (L.llama_token_data * 1)(L.llama_token_data(token, 1.0, 0.0))
             L.llama_sampler_apply(
                 grammar, ctypes.byref(L.llama_token_data_array(one, 1, -1, False))
             )
-            return one[0].logit != float("-inf")
-
-        assert allowed("y")
-        assert not allowed("\n") and not allowed("\t")
+            if one[0].logit == float("-inf"):
+                return False
+            L.llama_sampler_accept(grammar, token)
+        return True
     finally:
         L.llama_sampler_free(grammar)
+
+
+def test_a_json_string_refuses_raw_control_characters(engine):
+    """JSON forbids a raw newline inside a string, and so does the grammar (llama-cpp-
+    python's converter allowed one, and a stream moved to another replica once wrote it,
+    which a JSON parser then refused); a plain character still goes in."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    assert grammar_takes(engine, schema, '{"a": "xy')
+    assert not grammar_takes(engine, schema, '{"a": "x\n')
+    assert not grammar_takes(engine, schema, '{"a": "x\t')
+
+
+def test_additional_properties_cannot_repeat_a_declared_one(engine):
+    """With additionalProperties, an extra key may be anything but a declared name: else
+    the model could write a declared property twice, the second time with a value its own
+    schema refuses (llama-cpp-python's converter allowed it). Names that start one another
+    and characters special in a character class are covered."""
+    names = ["n", "nb", "]-^"]
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "string"},
+            "nb": {"type": "integer"},
+            "]-^": {"type": "integer"},
+        },
+        "required": names,
+        "additionalProperties": {"type": "integer"},
+    }
+    head = '{"n": "x", "nb": 1, "]-^": 1, '
+    for name in names:
+        assert not grammar_takes(engine, schema, f'{head}"{name}":'), name
+    for name in ["nc", "nbb", "m", "]-", "]-^x", "é", ""]:
+        assert grammar_takes(engine, schema, f'{head}"{name}": 2'), name
 
 
 def test_a_json_schema_grammar_shapes_the_output(engine):

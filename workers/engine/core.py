@@ -1121,7 +1121,10 @@ def _schema_converter():
       so a quote, a backslash or an escaped newline in it is written as JSON, not cut
       short or turned into a raw newline;
     - and keeps non-ASCII characters as they are: json.dumps escapes them, which would
-      make the model spell "é" as a \\u escape."""
+      make the model spell "é" as a \\u escape;
+    - an object's additional properties (additionalProperties true or a schema) take any
+      key but a declared one, so a declared property cannot come twice, the second time
+      with a value its schema does not allow (see _not_names)."""
     import json
     import re
 
@@ -1144,6 +1147,10 @@ def _schema_converter():
         return json.loads(f'"\\u{code}"')
 
     class Converter(G.SchemaConverter):
+        def __init__(self, **kwargs):
+            self._declared: list[list[str]] = []  # the property names of objects being built
+            super().__init__(**kwargs)
+
         def _format_literal(self, literal):
             literal = u_escape.sub(as_is, literal)
             return '"' + re.sub(r'[\r\n"\\]', lambda m: escape[m.group(0)], literal) + '"'
@@ -1151,7 +1158,52 @@ def _schema_converter():
         def _add_primitive(self, name, rule):
             return super()._add_primitive(name, char if name == "char" else rule)
 
+        def _build_object_rule(self, properties, required, name, additional_properties):
+            # The rule for additional keys is added after the properties' own rules, nested
+            # objects included, so the top of the stack is this object's names then.
+            self._declared.append([k for k, _ in properties])
+            try:
+                return super()._build_object_rule(properties, required, name, additional_properties)
+            finally:
+                self._declared.pop()
+
+        def _add_rule(self, name, rule):
+            if self._declared and self._declared[-1] and rule.startswith('string ":" space '):
+                names = _not_names(self._declared[-1], self._add_primitive("char", char))
+                rule = super()._add_rule(f"{name}-key", names) + rule[len("string") :]
+            return super()._add_rule(name, rule)
+
     return Converter
+
+
+def _not_names(names: list[str], char: str) -> str:
+    """GBNF for a JSON string that is none of `names`, the way llama.cpp's _not_strings
+    writes one (a trie of the names), and also right where a name is the start of another
+    (llama.cpp's lets "a" through when "ab" is declared too). Names holding a quote, a
+    backslash or a control character are left out (their JSON text has escapes), and a key
+    spelling a name with \\u escapes is not caught: a model writes keys as they are."""
+    end = object()
+    trie: dict = {}
+    for n in names:
+        if any(c in '"\\' or ord(c) < 0x20 or c == "\x7f" for c in n):
+            continue
+        node = trie
+        for c in n:
+            node = node.setdefault(c, {})
+        node[end] = True
+
+    def esc(c: str) -> str:  # inside a character class (llama.cpp knows no "\\^")
+        return {"]": "\\]", "-": "\\-", "^": "\\x5E"}.get(c, c)
+
+    escape = f'"\\\\" (["\\\\/bfnrt] | "u" [0-9a-fA-F]{{4}}) {char}*'
+
+    def rest(node: dict) -> str:
+        kids = sorted(c for c in node if c is not end)
+        other = f'[^"\\\\\\x7F\\x00-\\x1F{"".join(map(esc, kids))}] {char}* | {escape}'
+        body = " | ".join([*(f"[{esc(c)}] {rest(node[c])}" for c in kids), other])
+        return f"({body})" if end in node else f"({body})?"
+
+    return f'"\\"" {rest(trie)} "\\"" space'
 
 
 def grammar_for_schema(schema_json: str) -> str:
