@@ -1109,6 +1109,12 @@ class BatchEngine:
         L.llama_model_free(self.model)
 
 
+#: A JSON string's character in GBNF, as llama.cpp's converter writes it: any but these raw
+#: (a quote, a backslash, DEL, control characters), or an escape sequence.
+_NOT_RAW = r'"\\\x7F\x00-\x1F'
+_ESCAPED = r'"\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
+
+
 @functools.cache
 def _schema_converter():
     """llama-cpp-python's JSON-schema converter, with llama.cpp's rules where the two differ
@@ -1131,7 +1137,7 @@ def _schema_converter():
     from llama_cpp import llama_grammar as G
 
     escape = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
-    char = G.BuiltinRule(r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})', [])
+    char = G.BuiltinRule(f"[^{_NOT_RAW}] | {_ESCAPED}", [])
     # json.dumps's \u escapes, a surrogate pair as one; an escaped backslash is matched
     # first so that the "u" after it is left alone
     u_escape = re.compile(r"\\\\|\\u(d[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|[0-9a-f]{4})")
@@ -1195,11 +1201,9 @@ def _not_names(names: list[str], char: str) -> str:
     def esc(c: str) -> str:  # inside a character class (llama.cpp knows no "\\^")
         return {"]": "\\]", "-": "\\-", "^": "\\x5E"}.get(c, c)
 
-    escape = f'"\\\\" (["\\\\/bfnrt] | "u" [0-9a-fA-F]{{4}}) {char}*'
-
     def rest(node: dict) -> str:
         kids = sorted(c for c in node if c is not end)
-        other = f'[^"\\\\\\x7F\\x00-\\x1F{"".join(map(esc, kids))}] {char}* | {escape}'
+        other = f"[^{_NOT_RAW}{''.join(map(esc, kids))}] {char}* | {_ESCAPED} {char}*"
         body = " | ".join([*(f"[{esc(c)}] {rest(node[c])}" for c in kids), other])
         return f"({body})" if end in node else f"({body})?"
 
