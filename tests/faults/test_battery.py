@@ -256,13 +256,13 @@ def stream(url: str, key: str, i: int) -> dict:
         "stream_options": {"include_usage": True},
     }
     began = time.monotonic()
-    seen = {"id": "", "pieces": 0}  # its request id and the text pieces that reached it
+    seen = {"id": "", "pieces": 0, "usage": None}  # its id, the text pieces and usage it got
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=180,
                           headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
             if r.status_code != 200:
                 return {"ok": False, "error": f"HTTP {r.status_code}", "seconds": 0.0}
-            done, finish, usage = False, None, None
+            done, finish = False, None
             for line in r.iter_lines():
                 if line == "data: [DONE]":
                     done = True
@@ -272,11 +272,11 @@ def stream(url: str, key: str, i: int) -> dict:
                         return {"ok": False, "error": chunk["error"].get("message", "error"),
                                 **seen}  # fmt: skip
                     seen["id"] = chunk.get("id", "").removeprefix("chatcmpl-")
-                    usage = chunk.get("usage") or usage
+                    seen["usage"] = chunk.get("usage") or seen["usage"]
                     for c in chunk.get("choices") or ():
                         finish = c.get("finish_reason") or finish
                         seen["pieces"] += bool((c.get("delta") or {}).get("content"))
-            ok = done and finish is not None and usage is not None
+            ok = done and finish is not None and seen["usage"] is not None
             took = time.monotonic() - began
             return {"ok": ok, "error": "" if ok else "cut short", "seconds": took, **seen}
     except httpx.HTTPError as exc:
@@ -429,16 +429,25 @@ def test_kill_one_of_two_web_processes(fleet):
     got = f.get(f"/api/v1/usage/?limit=1000&since={time.strftime('%Y-%m-%d')}T00:00:00Z")
     cut = [r for r in got["results"] if r["app"] == f"fault-{row['fault']}"
            and r["error_code"] == "interrupted"]  # fmt: skip
-    assert len(cut) == row["lost"], (cut, row)
-    # Each record holds at least the tokens its client saw before the cut (a piece of text
-    # is one token or more), and its prompt once anything was generated.
+    # Each cut stream's record is among them, holding at least the tokens its client saw
+    # before the cut (a piece of text is one token or more), and its prompt once anything
+    # was generated.
     records = {r["request_id"]: r for r in cut}
     lost = [s for s in f.last_results if not s["ok"]]
     for s in lost:
         if s["id"]:
-            r = records[s["id"]]
+            r = records.pop(s["id"])
             assert r["completion_tokens"] >= s["pieces"], (r, s)
             assert r["prompt_tokens"] > 0 or not r["completion_tokens"], (r, s)
+    # A stream that ended just as the process died may have reached its client whole while
+    # its final record (written after the stream, never before it) did not: settled, it
+    # holds exactly the tokens its client was told.
+    whole = {s["id"]: s["usage"] for s in f.last_results if s["ok"]}
+    for rid, r in records.items():
+        u = whole[rid]
+        assert (r["prompt_tokens"], r["completion_tokens"]) == (
+            u["prompt_tokens"], u["completion_tokens"]), (r, u)  # fmt: skip
+    assert len(cut) - len(records) == row["lost"], (cut, row)
     assert sum(s["pieces"] for s in lost) > 0, lost  # the fault struck mid-stream
     settled = sorted(r["completion_tokens"] for r in cut)
     print(f"{len(cut)} interrupted records settled with the agents' counts: {settled} tokens "
