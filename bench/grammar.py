@@ -19,7 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from workers.engine.core import BatchEngine, Request, Sampling, grammar_for_schema  # noqa: E402
+from workers.engine.core import BatchEngine, Request, Sampling  # noqa: E402
+from workers.engine.grammar import grammar_for_schema  # noqa: E402
 
 MODEL = (
     ROOT

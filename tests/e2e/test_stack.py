@@ -68,13 +68,17 @@ def model(request):
 
 
 def test_openai_sdk_parses_a_structured_output_into_a_pydantic_model(stack, model):
+    import re
+    from typing import Annotated
+
     import openai
     from openai import OpenAI
-    from pydantic import BaseModel
+    from pydantic import BaseModel, StringConstraints
 
     class City(BaseModel):
         name: str
         country: str
+        founded: Annotated[str, StringConstraints(pattern=r"^\d{3,4}( BC)?$")]
 
     client = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["key"])
     reply = client.chat.completions.parse(
@@ -82,10 +86,11 @@ def test_openai_sdk_parses_a_structured_output_into_a_pydantic_model(stack, mode
         messages=[{"role": "user", "content": "Name a city and its country, as JSON."}],
         response_format=City,
         temperature=0,
-        max_tokens=80,
+        max_tokens=100,
     )
     city = reply.choices[0].message.parsed
     assert isinstance(city, City) and city.name and reply.choices[0].finish_reason == "stop"
+    assert re.fullmatch(r"\d{3,4}( BC)?", city.founded), city  # pydantic checked it too
     # A schema the grammar cannot express: a 400 naming response_format, before any token.
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
@@ -97,6 +102,17 @@ def test_openai_sdk_parses_a_structured_output_into_a_pydantic_model(stack, mode
             },
         )
     assert err.value.code == "invalid_schema" and err.value.param == "response_format"
+    # A pattern the grammar cannot hold to is refused by name, not ignored.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=model,
+            messages=CHAT,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^(?!no)"}},
+            },
+        )
+    assert err.value.code == "invalid_schema" and "/^(?!no)/" in err.value.message
 
 
 def test_openai_sdk_logprobs_are_the_models_log_probabilities(stack, model):

@@ -822,20 +822,22 @@ def test_a_step_over_scattered_slots_is_one_run_of_consecutive_slots(smollm2_pat
 # ---- structured outputs -----------------------------------------------------------------------
 
 
-def grammar_takes(engine, schema: dict, text: str) -> bool:
-    """Whether the grammar made from `schema` lets the model write `text`, token by token
-    through llama.cpp's grammar sampler (each token is checked before it is accepted: a
-    token the grammar refuses, once accepted, aborts the process)."""
+def grammar_takes(engine, schema: dict, text: str, whole: bool = False) -> bool:
+    """Whether the grammar made from `schema` lets the model write `text` (whole: and end
+    there), token by token through llama.cpp's grammar sampler (each token is checked
+    before it is accepted: a token the grammar refuses, once accepted, aborts the process;
+    the end is the end-of-generation token)."""
     import ctypes
     import json
 
     import llama_cpp as L
 
-    from workers.engine.core import grammar_for_schema
+    from workers.engine.grammar import grammar_for_schema
 
     grammar = engine._grammar_sampler(grammar_for_schema(json.dumps(schema)))
+    end = [L.llama_vocab_eos(engine.vocab)] if whole else []
     try:
-        for token in engine.tokenize(text, False, False):
+        for token in engine.tokenize(text, False, False) + end:
             one = (L.llama_token_data * 1)(L.llama_token_data(token, 1.0, 0.0))
             L.llama_sampler_apply(
                 grammar, ctypes.byref(L.llama_token_data_array(one, 1, -1, False))
@@ -881,12 +883,104 @@ def test_additional_properties_cannot_repeat_a_declared_one(engine):
         assert grammar_takes(engine, schema, f'{head}"{name}": 2'), name
 
 
+#: (pattern, values): whether the grammar takes each value's JSON must be whether the pattern
+#: matches it, as JSON Schema means it (anywhere in the string unless anchored; ECMA-262's
+#: \\d, \\w, \\s: Python's with re.ASCII for these values).
+PATTERNS = [
+    (r"^\d{3}-\d{4}$", ["555-1234", "555-12345", "5551234", "555-123", "555-12a4"]),
+    (r"^\w+@\w+\.com$", ["me@example.com", "me@examplexcom", "me@example.comx", "@x.com"]),
+    ("^yes|no$", ["yes", "yes sir", "uh no", "maybe", "no way"]),
+    ("[0-9]+", ["room 101 now", "101", "no digits"]),
+    ("^(?:ab)+$", ["abab", "aba", ""]),
+    ("^[^a-z]+$", ['A"B\\C\nD', "AbC", ""]),
+    ("^.{2,5}$", ['a"', "a\\b", "a\nb", "abcdef", "x"]),
+    (r"^a\\b$", ["a\\b", "a\bb", "ab"]),
+    ('^say "x"$', ['say "x"', "say x"]),
+    (r"^(?<year>\d{4})-(0[1-9]|1[0-2])$", ["2026-12", "2026-13", "26-12"]),
+    ("^(a?)*$", ["aaa", "", "b"]),
+    ("^$", ["", " "]),
+]
+
+
+def test_a_pattern_takes_exactly_the_strings_it_matches(engine):
+    """A string's `pattern` holds the decoded value, not the JSON text. llama-cpp-python's
+    converter pasted the regular expression into the JSON text: "^[^a-z]+$" let a raw
+    quote end the string early, "\\d{3}-\\d{4}" repeated "-\\d" four times in a grammar
+    llama.cpp cannot parse, "^yes|no$" lost its quotes, and it refused unanchored patterns
+    and "(?:" (each seen here)."""
+    import json
+    import re
+
+    for pattern, values in PATTERNS:
+        schema = {"type": "string", "pattern": pattern}
+        for value in values:
+            text = json.dumps(value, ensure_ascii=False)
+            expected = re.search(pattern.replace("(?<", "(?P<"), value, re.ASCII) is not None
+            assert grammar_takes(engine, schema, text, whole=True) == expected, (pattern, value)
+
+
+def test_what_a_pattern_cannot_say_in_a_grammar_is_refused_by_name():
+    """Look-arounds, back-references, word boundaries and flags are refused with what the
+    grammar cannot express (llama.cpp's converter accepts any string instead, which ignores
+    the schema without a word)."""
+    import json
+
+    from workers.engine.grammar import grammar_for_schema
+
+    for pattern, what in [
+        ("^(?=a)", "assert"),
+        (r"(a)\1", "back-reference"),
+        (r"\bx", "anchor"),
+        ("(?i)abc", "flags"),
+        ("^[a-", "not a regular expression"),
+        ("^a{2000}$", "more than 1000"),
+    ]:
+        with pytest.raises(EngineError) as err:
+            grammar_for_schema(json.dumps({"type": "string", "pattern": pattern}))
+        assert err.value.code == codes.INVALID_SCHEMA, pattern
+        assert pattern in err.value.message and what in err.value.message, err.value.message
+
+
+def test_generated_strings_match_their_patterns(engine):
+    """Sampled under the grammar, at a temperature, each answer parses and each string
+    matches its pattern."""
+    import json
+    import re
+
+    from workers.engine.grammar import grammar_for_schema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "phone": {"type": "string", "pattern": r"^\d{3}-\d{4}$"},
+            "code": {"type": "string", "pattern": r"^[A-Z]{2}[^a-z]{1,6}$"},
+            "note": {"type": "string", "pattern": "^.{1,12}$"},
+        },
+        "required": ["phone", "code", "note"],
+    }
+    prompt = chat_tokens(engine, [{"role": "user", "content": "A contact as JSON."}])
+    grammar = grammar_for_schema(json.dumps(schema))
+    texts, done, errors = run(
+        engine,
+        [
+            Request(f"p{i}", prompt, 80, Sampling(temperature=1.0, seed=i, grammar=grammar))
+            for i in range(4)
+        ],
+    )
+    assert not errors
+    for i in range(4):
+        assert done[f"p{i}"].reason == "stop", texts[f"p{i}"]
+        got = json.loads(texts[f"p{i}"])
+        for name, prop in schema["properties"].items():
+            assert re.search(prop["pattern"], got[name], re.ASCII), (name, got)
+
+
 def test_a_json_schema_grammar_shapes_the_output(engine):
     import json
 
     from pydantic import BaseModel
 
-    from workers.engine.core import grammar_for_schema
+    from workers.engine.grammar import grammar_for_schema
 
     class Person(BaseModel):
         name: str
@@ -921,7 +1015,7 @@ def test_enum_and_const_values_come_out_as_their_json(engine):
     characters come out as themselves, as llama.cpp writes them, not as \\u escapes."""
     import json
 
-    from workers.engine.core import grammar_for_schema
+    from workers.engine.grammar import grammar_for_schema
 
     values = ['say "hi"', "C:\\temp", "two\nlines", "café"]
     schema = {
@@ -956,7 +1050,7 @@ def test_enum_and_const_values_come_out_as_their_json(engine):
 
 
 def test_a_schema_the_grammar_cannot_express_is_refused_by_name(engine):
-    from workers.engine.core import grammar_for_schema
+    from workers.engine.grammar import grammar_for_schema
 
     with pytest.raises(EngineError) as err:
         grammar_for_schema('{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}')

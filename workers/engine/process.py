@@ -228,7 +228,8 @@ class Outbox:
 
 def _request(engine, formatter, rid: str, payload: dict):
     """The engine's Request for a Generate payload; raises EngineError for a bad one."""
-    from workers.engine.core import Request, Sampling, grammar_for_schema
+    from workers.engine.core import Request, Sampling
+    from workers.engine.grammar import grammar_for_schema
 
     tokens = _build_prompt(engine, formatter, payload)
     s = dict(payload.get("sampling") or {})

@@ -1,0 +1,385 @@
+"""JSON schema to GBNF: what structured outputs (response_format json_schema, tool calls)
+hold the model to.
+
+llama-cpp-python's converter, with llama.cpp's rules where the two differ in what reaches
+the answer (llama-server runs llama.cpp's), and a translation of `pattern` of our own that
+is right where both are wrong. Runs once per structured request, before decoding.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+from workers.engine import errors
+from workers.engine.errors import EngineError
+
+#: A JSON string's character in GBNF, as llama.cpp's converter writes it: any but these raw
+#: (a quote, a backslash, DEL, control characters), or an escape sequence.
+_NOT_RAW = r'"\\\x7F\x00-\x1F'
+_ESCAPED = r'"\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
+
+
+def grammar_for_schema(schema_json: str) -> str:
+    """GBNF for a JSON schema (see _schema_converter); EngineError INVALID_SCHEMA naming what
+    it could not express."""
+    try:
+        converter = _schema_converter()(
+            prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
+        )
+        converter.visit(converter.resolve_refs(json.loads(schema_json), "stdin"), "")
+        return converter.format_grammar()
+    except Exception as exc:  # the converter raises ValueError, KeyError, NotImplementedError
+        raise EngineError(
+            errors.INVALID_SCHEMA, f"the JSON schema cannot be expressed as a grammar: {exc}"
+        ) from None
+
+
+@functools.cache
+def _schema_converter():
+    """llama-cpp-python's JSON-schema converter, changed where it lets through what is not
+    the schema's JSON:
+
+    - a string's character excludes control characters and DEL, which JSON forbids raw
+      (llama-cpp-python's allowed a raw newline, and a stream moved to another replica once
+      wrote one, which a JSON parser then refused);
+    - a literal (an enum or const value, a property name: JSON text) escapes backslashes,
+      so a quote, a backslash or an escaped newline in it is written as JSON, not cut
+      short or turned into a raw newline;
+    - and keeps non-ASCII characters as they are: json.dumps escapes them, which would
+      make the model spell "é" as a \\u escape;
+    - an object's additional properties (additionalProperties true or a schema) take any
+      key but a declared one, so a declared property cannot come twice, the second time
+      with a value its schema does not allow (see _not_names);
+    - a string's `pattern` is translated by pattern_rule (both converters broke quotes,
+      escapes and alternatives; see there)."""
+    from llama_cpp import llama_grammar as G
+
+    escape = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
+    char = G.BuiltinRule(f"[^{_NOT_RAW}] | {_ESCAPED}", [])
+    # json.dumps's \u escapes, a surrogate pair as one; an escaped backslash is matched
+    # first so that the "u" after it is left alone
+    u_escape = re.compile(r"\\\\|\\u(d[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|[0-9a-f]{4})")
+
+    def as_is(m):
+        code = m.group(1)
+        if (
+            code is None
+            or len(code) == 4
+            and (int(code, 16) < 0x80 or 0xD800 <= int(code, 16) < 0xE000)
+        ):
+            return m.group(0)  # a control character (or a lone surrogate) stays escaped
+        return json.loads(f'"\\u{code}"')
+
+    class Converter(G.SchemaConverter):
+        def __init__(self, **kwargs):
+            self._declared: list[list[str]] = []  # the property names of objects being built
+            super().__init__(**kwargs)
+
+        def _format_literal(self, literal):
+            literal = u_escape.sub(as_is, literal)
+            return '"' + re.sub(r'[\r\n"\\]', lambda m: escape[m.group(0)], literal) + '"'
+
+        def _add_primitive(self, name, rule):
+            return super()._add_primitive(name, char if name == "char" else rule)
+
+        def _build_object_rule(self, properties, required, name, additional_properties):
+            # The rule for additional keys is added after the properties' own rules, nested
+            # objects included, so the top of the stack is this object's names then.
+            self._declared.append([k for k, _ in properties])
+            try:
+                return super()._build_object_rule(properties, required, name, additional_properties)
+            finally:
+                self._declared.pop()
+
+        def _add_rule(self, name, rule):
+            if self._declared and self._declared[-1] and rule.startswith('string ":" space '):
+                names = _not_names(self._declared[-1], self._add_primitive("char", char))
+                rule = super()._add_rule(f"{name}-key", names) + rule[len("string") :]
+            return super()._add_rule(name, rule)
+
+        def _visit_pattern(self, pattern, name):
+            return self._add_rule(name, pattern_rule(pattern, self._add_primitive("char", char)))
+
+    return Converter
+
+
+def _not_names(names: list[str], char: str) -> str:
+    """GBNF for a JSON string that is none of `names`, the way llama.cpp's _not_strings
+    writes one (a trie of the names), and also right where a name is the start of another
+    (llama.cpp's lets "a" through when "ab" is declared too). Names holding a quote, a
+    backslash or a control character are left out (their JSON text has escapes), and a key
+    spelling a name with \\u escapes is not caught: a model writes keys as they are."""
+    end = object()
+    trie: dict = {}
+    for n in names:
+        if any(c in '"\\' or ord(c) < 0x20 or c == "\x7f" for c in n):
+            continue
+        node = trie
+        for c in n:
+            node = node.setdefault(c, {})
+        node[end] = True
+
+    def esc(c: str) -> str:  # inside a character class (llama.cpp knows no "\\^")
+        return {"]": "\\]", "-": "\\-", "^": "\\x5E"}.get(c, c)
+
+    def rest(node: dict) -> str:
+        kids = sorted(c for c in node if c is not end)
+        other = f"[^{_NOT_RAW}{''.join(map(esc, kids))}] {char}* | {_ESCAPED} {char}*"
+        body = " | ".join([*(f"[{esc(c)}] {rest(node[c])}" for c in kids), other])
+        return f"({body})" if end in node else f"({body})?"
+
+    return f'"\\"" {rest(trie)} "\\"" space'
+
+
+# ---- pattern -------------------------------------------------------------------------------
+
+#: The last code point; surrogates (D800-DFFF) are no characters of a UTF-8 answer.
+_MAX = 0x10FFFF
+_SURROGATES = (0xD800, 0xDFFF)
+#: ECMA-262's classes (JSON Schema's regular expressions are ECMA-262's): \d and \w are
+#: ASCII there, \s is its white space and line terminators.
+_CLASSES = {
+    "CATEGORY_DIGIT": [(0x30, 0x39)],
+    "CATEGORY_WORD": [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
+    "CATEGORY_SPACE": [
+        (0x09, 0x0D),
+        (0x20, 0x20),
+        (0xA0, 0xA0),
+        (0x1680, 0x1680),
+        (0x2000, 0x200A),
+        (0x2028, 0x2029),
+        (0x202F, 0x202F),
+        (0x205F, 0x205F),
+        (0x3000, 0x3000),
+        (0xFEFF, 0xFEFF),
+    ],  # fmt: skip
+}
+#: ECMA-262's "." : any character but a line terminator.
+_DOT = [(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]
+#: JSON's short escapes; other control characters (and DEL) are written \u00XX.
+_SHORT = {0x08: "b", 0x0C: "f", 0x0A: "n", 0x0D: "r", 0x09: "t"}
+#: Above this many repetitions a pattern is refused rather than unrolled.
+MAX_REPEAT = 1000
+
+
+#: GBNF for the empty string.
+_EMPTY = '""'
+
+
+class _Unsupported(ValueError):
+    """What a pattern holds that a grammar cannot express."""
+
+
+def pattern_rule(pattern: str, char: str) -> str:
+    """GBNF for a JSON string whose value matches `pattern` (char: the rule of any string
+    character, for what an unanchored pattern leaves free).
+
+    Works on the decoded value, as JSON Schema means it, where llama.cpp's and llama-cpp-
+    python's converters paste the regular expression into the JSON text: there "." or
+    "[^a-z]" wrote a raw quote (ending the string early) or a raw backslash, "\\d" made a
+    grammar llama.cpp cannot parse (llama.cpp's then accepts any string), a quantifier
+    after an escape repeated the literals before it, "^yes|no$" lost its quotes, and an
+    unanchored pattern or "(?:" was refused. Here each character the pattern allows is
+    written as JSON writes it (a quote or backslash escaped, a control character as its
+    escape), "\\d", "\\w" and "\\s" mean what ECMA-262 says, a side without "^" or "$"
+    takes any characters (a pattern matches anywhere in the string), and what cannot be
+    expressed (look-arounds, back-references, word boundaries, flags) is refused by name
+    rather than ignored.
+    """
+    import re._constants as C
+    import re._parser as P
+
+    try:
+        # ECMA-262's named group (?<name>...) is Python's (?P<name>...).
+        parsed = P.parse(re.sub(r"\(\?<(?=[A-Za-z_])", "(?P<", pattern))
+        if parsed.state.flags & ~(C.SRE_FLAG_UNICODE | C.SRE_FLAG_VERBOSE):
+            raise _Unsupported("inline flags")
+        top = list(parsed)
+        if len(top) == 1 and str(top[0][0]) == "BRANCH":
+            body = " | ".join(f"({_anchored(b, char) or _EMPTY})" for b in top[0][1][1])
+        else:
+            body = _anchored(top, char) or _EMPTY
+    except re.error as exc:
+        raise ValueError(f"pattern /{pattern}/ is not a regular expression: {exc}") from None
+    except _Unsupported as exc:
+        raise ValueError(f"pattern /{pattern}/: {exc} cannot be expressed as a grammar") from None
+    return f'"\\"" ({body}) "\\"" space'
+
+
+def _anchored(items, char: str) -> str:
+    """One alternative of a whole pattern, taking any characters on a side it does not
+    anchor with ^ or $."""
+    items = list(items)
+    start = bool(items) and str(items[0][0]) == "AT" and "BEGINNING" in str(items[0][1])
+    end = bool(items) and str(items[-1][0]) == "AT" and "END" in str(items[-1][1])
+    body = _sequence(items[int(start) : len(items) - int(end)])
+    if not body:
+        return "" if start and end else f"{char}*"
+    return " ".join([f"{char}*"] * (not start) + [body] + [f"{char}*"] * (not end))
+
+
+def _sequence(items) -> str:
+    """GBNF for a parsed (re._parser) sequence; "" for the empty one."""
+    import re._constants as C
+
+    parts: list[str] = []
+    literal = ""
+    for op, av in items:
+        name = str(op)
+        if name == "LITERAL":
+            literal += _json_char(av)
+            continue
+        if literal:
+            parts.append(_gbnf_literal(literal))
+            literal = ""
+        if name == "NOT_LITERAL":
+            parts.append(_chars(_complement([(av, av)])))
+        elif name == "ANY":
+            parts.append(_chars(_complement(_DOT)))
+        elif name == "IN":
+            parts.append(_chars(_class(av)))
+        elif name == "BRANCH":
+            parts.append("(" + " | ".join(_sequence(b) or _EMPTY for b in av[1]) + ")")
+        elif name == "SUBPATTERN":
+            _, add, remove, sub = av
+            if add or remove:
+                raise _Unsupported("a group with flags")
+            body = _sequence(sub)
+            parts += [f"({body})"] if body else []
+        elif name in ("MAX_REPEAT", "MIN_REPEAT"):  # greedy or lazy: the same strings
+            lo, hi, sub = av
+            body = _sequence(sub)
+            unbounded = hi == C.MAXREPEAT
+            if lo > MAX_REPEAT or not unbounded and hi > MAX_REPEAT:
+                raise _Unsupported(f"a repetition of more than {MAX_REPEAT}")
+            if not body or hi == 0:  # the empty string, however often
+                continue
+            if unbounded:
+                count = "*" if lo == 0 else "+" if lo == 1 else f"{{{lo},}}"
+            elif (lo, hi) == (0, 1):
+                count = "?"
+            else:
+                count = f"{{{lo}}}" if lo == hi else f"{{{lo},{hi}}}"
+            parts.append(f"{_atom(body)}{count}")
+        elif name == "AT":
+            raise _Unsupported("an anchor (^, $, \\b, \\B) inside the pattern")
+        elif name == "GROUPREF":
+            raise _Unsupported("a back-reference")
+        else:  # ASSERT, ASSERT_NOT (look-arounds), ATOMIC_GROUP, POSSESSIVE_REPEAT, ...
+            raise _Unsupported(name.lower().replace("_", " "))
+    if literal:
+        parts.append(_gbnf_literal(literal))
+    return " ".join(parts)
+
+
+def _atom(body: str) -> str:
+    """The body as one GBNF term: in parentheses unless it is one character class."""
+    return body if re.fullmatch(r"\[[^\]]*\]", body) else f"({body})"
+
+
+def _class(items) -> list[tuple[int, int]]:
+    """A character class's code point ranges."""
+    out, negate = [], False
+    for op, av in items:
+        name = str(op)
+        if name == "NEGATE":
+            negate = True
+        elif name == "LITERAL":
+            out.append((av, av))
+        elif name == "RANGE":
+            out.append(av)
+        elif name == "CATEGORY" and str(av).replace("_NOT", "") in _CLASSES:
+            base = _CLASSES[str(av).replace("_NOT", "")]
+            out += _complement(base) if "_NOT_" in str(av) else base
+        else:
+            raise _Unsupported(f"{av} in a character class")
+    return _complement(out) if negate else _merge(out)
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for lo, hi in _merge(ranges):
+        if lo > at:
+            out.append((at, lo - 1))
+        at = hi + 1
+    if at <= _MAX:
+        out.append((at, _MAX))
+    return out
+
+
+def _minus(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    out = []
+    for a, b in ranges:
+        if b < lo or a > hi:
+            out.append((a, b))
+            continue
+        if a < lo:
+            out.append((a, lo - 1))
+        if b > hi:
+            out.append((hi + 1, b))
+    return out
+
+
+def _json_char(c: int) -> str:
+    """A character as a JSON string writes it."""
+    if c == 0x22:
+        return '\\"'
+    if c == 0x5C:
+        return "\\\\"
+    if c < 0x20 or c == 0x7F:
+        return "\\" + _SHORT[c] if c in _SHORT else f"\\u{c:04x}"
+    return chr(c)
+
+
+def _gbnf_literal(text: str) -> str:
+    """A GBNF string literal of this text (its quotes and backslashes escaped)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _gbnf_code(c: int) -> str:
+    if chr(c).isascii() and chr(c).isalnum():
+        return chr(c)
+    return f"\\x{c:02X}" if c < 0x100 else f"\\u{c:04X}" if c < 0x10000 else f"\\U{c:08X}"
+
+
+def _chars(ranges: list[tuple[int, int]]) -> str:
+    """GBNF for one character of these ranges as JSON writes it: raw where JSON allows it;
+    a quote, a backslash, control characters and DEL as their escapes."""
+    raw = ranges
+    for lo, hi in ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F), _SURROGATES):
+        raw = _minus(raw, lo, hi)
+    alts = []
+    if raw:
+        body = "".join(
+            _gbnf_code(lo) if lo == hi else f"{_gbnf_code(lo)}-{_gbnf_code(hi)}" for lo, hi in raw
+        )
+        alts.append(f"[{body}]")
+    inside = {c for lo, hi in ranges for c in range(lo, min(hi, 0x7F) + 1)}
+    short = "".join(e for c, e in ((0x22, '\\"'), (0x5C, "\\\\"), *_SHORT.items()) if c in inside)
+    escapes = [f"[{short}]"] if short else []
+    if inside.issuperset(range(0x20)):  # every control character: any \u00XX of them
+        escapes.append('"u00" [01] [0-9a-fA-F]')
+        escapes += ['"u007" [fF]'] if 0x7F in inside else []
+    else:
+        escapes += [
+            _gbnf_literal(_json_char(c)[1:])
+            for c in sorted(inside)
+            if (c < 0x20 or c == 0x7F) and c not in _SHORT
+        ]
+    if escapes:
+        alts.append('"\\\\" ' + (escapes[0] if len(escapes) == 1 else f"({' | '.join(escapes)})"))
+    if not alts:
+        raise _Unsupported("a class no character matches")
+    return alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
