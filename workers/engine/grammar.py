@@ -154,7 +154,7 @@ _CLASSES = {
         (0x205F, 0x205F),
         (0x3000, 0x3000),
         (0xFEFF, 0xFEFF),
-    ],  # fmt: skip
+    ],
 }
 #: ECMA-262's "." : any character but a line terminator.
 _DOT = [(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]
@@ -194,7 +194,7 @@ def pattern_rule(pattern: str, char: str) -> str:
     try:
         # ECMA-262's named group (?<name>...) is Python's (?P<name>...).
         parsed = P.parse(re.sub(r"\(\?<(?=[A-Za-z_])", "(?P<", pattern))
-        if parsed.state.flags & ~(C.SRE_FLAG_UNICODE | C.SRE_FLAG_VERBOSE):
+        if parsed.state.flags & ~C.SRE_FLAG_UNICODE:  # Python's inline flags: not ECMA's
             raise _Unsupported("inline flags")
         top = list(parsed)
         if len(top) == 1 and str(top[0][0]) == "BRANCH":
