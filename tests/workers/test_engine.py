@@ -941,9 +941,28 @@ def test_what_a_pattern_cannot_say_in_a_grammar_is_refused_by_name():
         assert pattern in err.value.message and what in err.value.message, err.value.message
 
 
+def test_an_integers_bounds_hold(engine):
+    """minimum, maximum and both drafts' exclusive bounds: the grammar takes exactly the
+    integers in range, written as JSON writes them (llama-cpp-python's converter ignored
+    the bounds: 7 was a rating of 1 to 5)."""
+    big = 10**9
+    cases = [  # (bounds, the lowest and highest integer they allow, values tried)
+        ({"minimum": 1, "maximum": 5}, 1, 5, range(-3, 12)),
+        ({"minimum": 15, "exclusiveMaximum": 234.5}, 15, 234, [*range(40), *range(190, 300)]),
+        ({"minimum": -12, "maximum": -3}, -12, -3, range(-20, 4)),
+        ({"exclusiveMinimum": -7}, -6, big, [*range(-12, 12), big, -big]),
+        ({"maximum": 10, "exclusiveMaximum": True}, -big, 9, [*range(-12, 14), -big]),
+    ]
+    for bounds, lo, hi, values in cases:
+        schema = {"type": "integer", **bounds}
+        for v in values:
+            assert grammar_takes(engine, schema, str(v), whole=True) == (lo <= v <= hi), (bounds, v)
+        assert not grammar_takes(engine, schema, "01", whole=True)  # no leading zero
+
+
 def test_generated_strings_match_their_patterns(engine):
-    """Sampled under the grammar, at a temperature, each answer parses and each string
-    matches its pattern."""
+    """Sampled under the grammar, at a temperature, each answer parses, each string
+    matches its pattern and each integer keeps its bounds."""
     import json
     import re
 
@@ -955,8 +974,9 @@ def test_generated_strings_match_their_patterns(engine):
             "phone": {"type": "string", "pattern": r"^\d{3}-\d{4}$"},
             "code": {"type": "string", "pattern": r"^[A-Z]{2}[^a-z]{1,6}$"},
             "note": {"type": "string", "pattern": "^.{1,12}$"},
+            "stars": {"type": "integer", "minimum": 1, "maximum": 5},
         },
-        "required": ["phone", "code", "note"],
+        "required": ["phone", "code", "note", "stars"],
     }
     prompt = chat_tokens(engine, [{"role": "user", "content": "A contact as JSON."}])
     grammar = grammar_for_schema(json.dumps(schema))
@@ -972,7 +992,9 @@ def test_generated_strings_match_their_patterns(engine):
         assert done[f"p{i}"].reason == "stop", texts[f"p{i}"]
         got = json.loads(texts[f"p{i}"])
         for name, prop in schema["properties"].items():
-            assert re.search(prop["pattern"], got[name], re.ASCII), (name, got)
+            if "pattern" in prop:
+                assert re.search(prop["pattern"], got[name], re.ASCII), (name, got)
+        assert got["stars"] in range(1, 6), got
 
 
 def test_a_json_schema_grammar_shapes_the_output(engine):

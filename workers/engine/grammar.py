@@ -53,7 +53,9 @@ def _schema_converter():
       key but a declared one, so a declared property cannot come twice, the second time
       with a value its schema does not allow (see _not_names);
     - a string's `pattern` is translated by pattern_rule (both converters broke quotes,
-      escapes and alternatives; see there)."""
+      escapes and alternatives; see there);
+    - an integer's minimum and maximum (exclusive or not) bound it, as llama.cpp's do
+      (llama-cpp-python's ignored them: a rating of 1 to 5 could come out as 7)."""
     from llama_cpp import llama_grammar as G
 
     escape = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
@@ -102,6 +104,13 @@ def _schema_converter():
         def _visit_pattern(self, pattern, name):
             return self._add_rule(name, pattern_rule(pattern, self._add_primitive("char", char)))
 
+        def visit(self, schema, name):
+            bounds = integer_bounds(schema) if isinstance(schema, dict) else None
+            if bounds is None:
+                return super().visit(schema, name)
+            rule_name = name + "-" if name in G.RESERVED_NAMES else name or "root"
+            return self._add_rule(rule_name, f"({integer_rule(*bounds)}) space")
+
     return Converter
 
 
@@ -131,6 +140,99 @@ def _not_names(names: list[str], char: str) -> str:
         return f"({body})" if end in node else f"({body})?"
 
     return f'"\\"" {rest(trie)} "\\"" space'
+
+
+# ---- integer bounds ------------------------------------------------------------------------
+
+#: Digits of an integer with no bound on that side (the converters' integer rule allows 16).
+MAX_DIGITS = 16
+
+
+def integer_bounds(schema: dict) -> tuple[int | None, int | None] | None:
+    """(lowest, highest) an integer schema allows (None: no bound), or None when it is not
+    an integer schema with a bound. Both drafts' exclusive bounds count: draft 4's booleans
+    beside minimum/maximum, and later drafts' numbers."""
+    import math
+
+    if schema.get("type") != "integer" or {"const", "enum", "$ref"} & schema.keys():
+        return None
+
+    def number(v) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+    lows, highs = [], []
+    minimum, above = schema.get("minimum"), schema.get("exclusiveMinimum")
+    maximum, below = schema.get("maximum"), schema.get("exclusiveMaximum")
+    if number(minimum):
+        lows.append(math.floor(minimum) + 1 if above is True else math.ceil(minimum))
+    if number(above):
+        lows.append(math.floor(above) + 1)
+    if number(maximum):
+        highs.append(math.ceil(maximum) - 1 if below is True else math.floor(maximum))
+    if number(below):
+        highs.append(math.ceil(below) - 1)
+    if not lows and not highs:
+        return None
+    lo, hi = max(lows, default=None), min(highs, default=None)
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"no integer is at least {lo} and at most {hi}")
+    return lo, hi
+
+
+def integer_rule(lo: int | None, hi: int | None) -> str:
+    """GBNF for a JSON integer in [lo, hi] (None: unbounded), without leading zeros, as
+    llama.cpp's build_min_max_int does; an unbounded side stops at MAX_DIGITS digits."""
+    top = 10**MAX_DIGITS - 1
+    alts = []
+    if lo is None or lo < 0:  # the negative ones, by their magnitude
+        magnitudes = (max(1, -hi) if hi is not None and hi < 0 else 1, top if lo is None else -lo)
+        alts += [f'"-" ({_magnitudes(*magnitudes)})']
+    if hi is None or hi >= 0:
+        alts += [_magnitudes(max(lo or 0, 0), top if hi is None else hi)]
+    return " | ".join(alts)
+
+
+def _magnitudes(lo: int, hi: int) -> str:
+    """GBNF for the decimal numbers lo..hi (0 <= lo <= hi), digit count by digit count."""
+    alts = []
+    most = len(str(hi))
+    for digits in range(len(str(lo)), most + 1):
+        a = max(lo, 10 ** (digits - 1) if digits > 1 else 0)
+        if digits > 1 and a == 10 ** (digits - 1) and hi == 10**most - 1:  # all from here on
+            alts.append(f"[1-9] [0-9]{{{digits - 1},{most - 1}}}")
+            break
+        alts += _same_length(str(a), str(min(hi, 10**digits - 1)))
+    return " | ".join(alts)
+
+
+def _same_length(a: str, b: str) -> list[str]:
+    """Alternatives for the numbers a..b written with the same number of digits."""
+    i = next((k for k in range(len(a)) if a[k] != b[k]), len(a))
+    prefix = [f'"{a[:i]}"'] if i else []
+    if i == len(a):
+        return [" ".join(prefix)]
+    rest = len(a) - i - 1
+
+    def any_digits(n: int) -> list[str]:
+        return [f"[0-9]{{{n}}}"] if n > 1 else ["[0-9]"] if n else []
+
+    def digit(x: int, y: int) -> str:
+        return f"[{x}]" if x == y else f"[{x}-{y}]"
+
+    x, y = int(a[i]), int(b[i])
+    low_full = a[i + 1 :] == "0" * rest  # a's digit takes every tail
+    high_full = b[i + 1 :] == "9" * rest
+    first, last = x if low_full else x + 1, y if high_full else y - 1
+    alts = []
+    if not low_full:
+        tails = " | ".join(_same_length(a[i + 1 :], "9" * rest))
+        alts.append(" ".join([*prefix, f"[{x}]", f"({tails})"]))
+    if first <= last:
+        alts.append(" ".join([*prefix, digit(first, last), *any_digits(rest)]))
+    if not high_full:
+        tails = " | ".join(_same_length("0" * rest, b[i + 1 :]))
+        alts.append(" ".join([*prefix, f"[{y}]", f"({tails})"]))
+    return alts
 
 
 # ---- pattern -------------------------------------------------------------------------------
