@@ -181,8 +181,9 @@ def integer_bounds(schema: dict) -> tuple[int | None, int | None] | None:
 
 def integer_rule(lo: int | None, hi: int | None) -> str:
     """GBNF for a JSON integer in [lo, hi] (None: unbounded), without leading zeros, as
-    llama.cpp's build_min_max_int does; an unbounded side stops at MAX_DIGITS digits."""
-    top = 10**MAX_DIGITS - 1
+    llama.cpp's build_min_max_int does; an unbounded side stops at MAX_DIGITS digits (or at
+    the other bound's, if it has more)."""
+    top = 10 ** max(MAX_DIGITS, *(len(str(abs(b))) for b in (lo, hi) if b is not None)) - 1
     alts = []
     if lo is None or lo < 0:  # the negative ones, by their magnitude
         magnitudes = (max(1, -hi) if hi is not None and hi < 0 else 1, top if lo is None else -lo)
