@@ -960,9 +960,29 @@ def test_an_integers_bounds_hold(engine):
         assert not grammar_takes(engine, schema, "01", whole=True)  # no leading zero
 
 
+def test_a_numbers_whole_bounds_hold(engine):
+    """A number bounded by whole numbers (a confidence from 0 to 1, a price of at least 0)
+    takes exactly the numbers in range, without an exponent; neither converter bounds
+    numbers (llama-cpp-python's grammar took 1.5 as a confidence)."""
+    from decimal import Decimal
+
+    values = ["0", "0.5", "1", "1.0", "1.5", "-0.5", "-2", "-2.0", "-2.5", "-5", "-5.5", "0.0"]
+    values += ["-3", "-4.99", "7", "12.25", "1e2"]
+    for bounds, allowed in [
+        ({"minimum": 0, "maximum": 1}, lambda v: 0 <= v <= 1),
+        ({"exclusiveMinimum": 0}, lambda v: v > 0),
+        ({"minimum": -5, "exclusiveMaximum": -2}, lambda v: -5 <= v < -2),
+        ({"maximum": 1, "exclusiveMaximum": True, "minimum": -3}, lambda v: -3 <= v < 1),
+    ]:
+        schema = {"type": "number", **bounds}
+        for text in values:
+            expected = "e" not in text and allowed(Decimal(text))
+            assert grammar_takes(engine, schema, text, whole=True) == expected, (bounds, text)
+
+
 def test_generated_strings_match_their_patterns(engine):
     """Sampled under the grammar, at a temperature, each answer parses, each string
-    matches its pattern and each integer keeps its bounds."""
+    matches its pattern and each number keeps its bounds."""
     import json
     import re
 
@@ -975,15 +995,16 @@ def test_generated_strings_match_their_patterns(engine):
             "code": {"type": "string", "pattern": r"^[A-Z]{2}[^a-z]{1,6}$"},
             "note": {"type": "string", "pattern": "^.{1,12}$"},
             "stars": {"type": "integer", "minimum": 1, "maximum": 5},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
         },
-        "required": ["phone", "code", "note", "stars"],
+        "required": ["phone", "code", "note", "stars", "confidence"],
     }
     prompt = chat_tokens(engine, [{"role": "user", "content": "A contact as JSON."}])
     grammar = grammar_for_schema(json.dumps(schema))
     texts, done, errors = run(
         engine,
         [
-            Request(f"p{i}", prompt, 80, Sampling(temperature=1.0, seed=i, grammar=grammar))
+            Request(f"p{i}", prompt, 120, Sampling(temperature=1.0, seed=i, grammar=grammar))
             for i in range(4)
         ],
     )
@@ -994,7 +1015,7 @@ def test_generated_strings_match_their_patterns(engine):
         for name, prop in schema["properties"].items():
             if "pattern" in prop:
                 assert re.search(prop["pattern"], got[name], re.ASCII), (name, got)
-        assert got["stars"] in range(1, 6), got
+        assert got["stars"] in range(1, 6) and 0 <= got["confidence"] <= 1, got
 
 
 def test_a_json_schema_grammar_shapes_the_output(engine):

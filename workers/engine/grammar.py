@@ -55,7 +55,9 @@ def _schema_converter():
     - a string's `pattern` is translated by pattern_rule (both converters broke quotes,
       escapes and alternatives; see there);
     - an integer's minimum and maximum (exclusive or not) bound it, as llama.cpp's do
-      (llama-cpp-python's ignored them: a rating of 1 to 5 could come out as 7)."""
+      (llama-cpp-python's ignored them: a rating of 1 to 5 could come out as 7);
+    - so do a number's, where they are whole numbers (a confidence from 0 to 1, a price
+      of at least 0), which neither converter does; a bounded number has no exponent."""
     from llama_cpp import llama_grammar as G
 
     escape = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
@@ -105,11 +107,15 @@ def _schema_converter():
             return self._add_rule(name, pattern_rule(pattern, self._add_primitive("char", char)))
 
         def visit(self, schema, name):
-            bounds = integer_bounds(schema) if isinstance(schema, dict) else None
-            if bounds is None:
+            rule = None
+            if isinstance(schema, dict) and (bounds := integer_bounds(schema)) is not None:
+                rule = integer_rule(*bounds)
+            elif isinstance(schema, dict) and (bounds := number_bounds(schema)) is not None:
+                rule = number_rule(*bounds)
+            if rule is None:
                 return super().visit(schema, name)
             rule_name = name + "-" if name in G.RESERVED_NAMES else name or "root"
-            return self._add_rule(rule_name, f"({integer_rule(*bounds)}) space")
+            return self._add_rule(rule_name, f"({rule}) space")
 
     return Converter
 
@@ -234,6 +240,77 @@ def _same_length(a: str, b: str) -> list[str]:
         tails = " | ".join(_same_length("0" * rest, b[i + 1 :]))
         alts.append(" ".join([*prefix, f"[{y}]", f"({tails})"]))
     return alts
+
+
+def number_bounds(schema: dict) -> tuple | None:
+    """(lowest, exclusive?, highest, exclusive?) of a number schema whose bounds are whole
+    numbers (None: no bound on that side), or None: no bound, or one with a fraction, which
+    is left unenforced as both converters leave every number bound."""
+    import math
+
+    if schema.get("type") != "number" or {"const", "enum", "$ref"} & schema.keys():
+        return None
+
+    def whole(v) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+    lows, highs = [], []  # (value, exclusive)
+    minimum, above = schema.get("minimum"), schema.get("exclusiveMinimum")
+    maximum, below = schema.get("maximum"), schema.get("exclusiveMaximum")
+    if whole(minimum):
+        lows.append((minimum, above is True))
+    if whole(above):
+        lows.append((above, True))
+    if whole(maximum):
+        highs.append((maximum, below is True))
+    if whole(below):
+        highs.append((below, True))
+    if not lows and not highs or any(v != int(v) for v, _ in lows + highs):
+        return None
+    # At one value the exclusive bound is the tighter.
+    lo, lo_ex = max(lows, key=lambda b: (b[0], b[1]), default=(None, False))
+    hi, hi_ex = min(highs, key=lambda b: (b[0], not b[1]), default=(None, False))
+    lo, hi = (None if v is None else int(v) for v in (lo, hi))
+    if lo is not None and hi is not None and (lo > hi or lo == hi and (lo_ex or hi_ex)):
+        raise ValueError(f"no number is within {lo} and {hi}")
+    return lo, lo_ex, hi, hi_ex
+
+
+#: A bounded number's fraction (at most 16 digits, as the converters' decimal part).
+_FRACTION = '"." [0-9]{1,16}'
+_ZEROS = '"." "0"{1,16}'
+_NONZERO = '"." "0"{0,15} [1-9] [0-9]{0,15}'
+
+
+def number_rule(lo: int | None, lo_ex: bool, hi: int | None, hi_ex: bool) -> str:
+    """GBNF for a JSON number between whole bounds (None: unbounded; _ex: exclusive),
+    without an exponent."""
+    alts = []
+    if hi is None or hi > 0 or hi == 0 and not hi_ex:  # zero and up
+        low = (lo, lo_ex) if lo is not None and lo >= 0 else (0, False)
+        alts += [_between(*low, hi, hi_ex)]
+    if lo is None or lo < 0:  # below zero, by magnitude ("-0" where zero is allowed)
+        if hi is not None and (hi < 0 or hi == 0 and hi_ex):
+            low = (-hi, hi_ex)
+        else:
+            low = (0, False)
+        alts += [f'"-" ({_between(*low, None if lo is None else -lo, lo_ex)})']
+    return " | ".join(f"({a})" for a in alts if a)
+
+
+def _between(c: int, c_ex: bool, d: int | None, d_ex: bool) -> str:
+    """GBNF for the magnitudes from c to d (0 <= c; None: no end; _ex: exclusive), by
+    integer part: between them any fraction, at c only above it, at d none."""
+    top = 10 ** max(MAX_DIGITS, len(str(c)), len(str(d or 0))) - 1
+    if d is not None and d == c:
+        return "" if c_ex or d_ex else f'"{c}" ({_ZEROS})?'
+    alts = [f'"{c}" {_NONZERO}' if c_ex else f'"{c}" ({_FRACTION})?']
+    end = top if d is None else d - 1
+    if c + 1 <= end:
+        alts.append(f"({_magnitudes(c + 1, end)}) ({_FRACTION})?")
+    if d is not None and not d_ex:
+        alts.append(f'"{d}" ({_ZEROS})?')
+    return " | ".join(alts)
 
 
 # ---- pattern -------------------------------------------------------------------------------
