@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
+from re import _constants as C
+from re import _parser as P
 
 from workers.engine import errors
 from workers.engine.errors import EngineError
 
-#: A JSON string's character in GBNF, as llama.cpp's converter writes it: any but these raw
-#: (a quote, a backslash, DEL, control characters), or an escape sequence.
+#: The characters a JSON string holds only escaped: control characters, a quote, a backslash,
+#: and DEL, which llama.cpp's converter escapes too.
+_ESCAPED_ONLY = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F))
+#: A JSON string's character in GBNF, as llama.cpp's converter writes it: any but those raw,
+#: or an escape sequence.
 _NOT_RAW = r'"\\\x7F\x00-\x1F'
 _ESCAPED = r'"\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
 
@@ -154,31 +160,34 @@ def _not_names(names: list[str], char: str) -> str:
 MAX_DIGITS = 16
 
 
-def integer_bounds(schema: dict) -> tuple[int | None, int | None] | None:
-    """(lowest, highest) an integer schema allows (None: no bound), or None when it is not
-    an integer schema with a bound. Both drafts' exclusive bounds count: draft 4's booleans
-    beside minimum/maximum, and later drafts' numbers."""
-    import math
-
-    if schema.get("type") != "integer" or {"const", "enum", "$ref"} & schema.keys():
+def _bounds(schema: dict, kind: str) -> tuple[list, list] | None:
+    """The lower and upper bounds of a `kind` schema, each (value, exclusive), or None when
+    it is another schema or has none. Both drafts' exclusive bounds count: draft 4's
+    booleans beside minimum/maximum, and later drafts' numbers."""
+    if schema.get("type") != kind or {"const", "enum", "$ref"} & schema.keys():
         return None
 
-    def number(v) -> bool:
+    def finite(v) -> bool:
         return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
     lows, highs = [], []
-    minimum, above = schema.get("minimum"), schema.get("exclusiveMinimum")
-    maximum, below = schema.get("maximum"), schema.get("exclusiveMaximum")
-    if number(minimum):
-        lows.append(math.floor(minimum) + 1 if above is True else math.ceil(minimum))
-    if number(above):
-        lows.append(math.floor(above) + 1)
-    if number(maximum):
-        highs.append(math.ceil(maximum) - 1 if below is True else math.floor(maximum))
-    if number(below):
-        highs.append(math.ceil(below) - 1)
-    if not lows and not highs:
+    for key, out in (("minimum", lows), ("maximum", highs)):
+        value, exclusive = schema.get(key), schema.get("exclusiveM" + key[1:])
+        if finite(value):
+            out.append((value, exclusive is True))
+        if finite(exclusive):
+            out.append((exclusive, True))
+    return (lows, highs) if lows or highs else None
+
+
+def integer_bounds(schema: dict) -> tuple[int | None, int | None] | None:
+    """(lowest, highest) an integer schema allows (None: no bound), or None when it is not
+    an integer schema with a bound (see _bounds)."""
+    bounds = _bounds(schema, "integer")
+    if bounds is None:
         return None
+    lows = [math.floor(v) + 1 if ex else math.ceil(v) for v, ex in bounds[0]]
+    highs = [math.ceil(v) - 1 if ex else math.floor(v) for v, ex in bounds[1]]
     lo, hi = max(lows, default=None), min(highs, default=None)
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(f"no integer is at least {lo} and at most {hi}")
@@ -245,31 +254,13 @@ def _same_length(a: str, b: str) -> list[str]:
 def number_bounds(schema: dict) -> tuple | None:
     """(lowest, exclusive?, highest, exclusive?) of a number schema whose bounds are whole
     numbers (None: no bound on that side), or None: no bound, or one with a fraction, which
-    is left unenforced as both converters leave every number bound."""
-    import math
-
-    if schema.get("type") != "number" or {"const", "enum", "$ref"} & schema.keys():
-        return None
-
-    def whole(v) -> bool:
-        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-    lows, highs = [], []  # (value, exclusive)
-    minimum, above = schema.get("minimum"), schema.get("exclusiveMinimum")
-    maximum, below = schema.get("maximum"), schema.get("exclusiveMaximum")
-    if whole(minimum):
-        lows.append((minimum, above is True))
-    if whole(above):
-        lows.append((above, True))
-    if whole(maximum):
-        highs.append((maximum, below is True))
-    if whole(below):
-        highs.append((below, True))
-    if not lows and not highs or any(v != int(v) for v, _ in lows + highs):
+    is left unenforced as both converters leave every number bound (see _bounds)."""
+    bounds = _bounds(schema, "number")
+    if bounds is None or any(v != int(v) for v, _ in bounds[0] + bounds[1]):
         return None
     # At one value the exclusive bound is the tighter.
-    lo, lo_ex = max(lows, key=lambda b: (b[0], b[1]), default=(None, False))
-    hi, hi_ex = min(highs, key=lambda b: (b[0], not b[1]), default=(None, False))
+    lo, lo_ex = max(bounds[0], key=lambda b: (b[0], b[1]), default=(None, False))
+    hi, hi_ex = min(bounds[1], key=lambda b: (b[0], not b[1]), default=(None, False))
     lo, hi = (None if v is None else int(v) for v in (lo, hi))
     if lo is not None and hi is not None and (lo > hi or lo == hi and (lo_ex or hi_ex)):
         raise ValueError(f"no number is within {lo} and {hi}")
@@ -368,9 +359,6 @@ def pattern_rule(pattern: str, char: str) -> str:
     expressed (look-arounds, back-references, word boundaries, flags) is refused by name
     rather than ignored.
     """
-    import re._constants as C
-    import re._parser as P
-
     try:
         # ECMA-262's named group (?<name>...) is Python's (?P<name>...).
         parsed = P.parse(re.sub(r"\(\?<(?=[A-Za-z_])", "(?P<", pattern))
@@ -402,8 +390,6 @@ def _anchored(items, char: str) -> str:
 
 def _sequence(items) -> str:
     """GBNF for a parsed (re._parser) sequence; "" for the empty one."""
-    import re._constants as C
-
     parts: list[str] = []
     literal = ""
     for op, av in items:
@@ -538,7 +524,7 @@ def _chars(ranges: list[tuple[int, int]]) -> str:
     """GBNF for one character of these ranges as JSON writes it: raw where JSON allows it;
     a quote, a backslash, control characters and DEL as their escapes."""
     raw = ranges
-    for lo, hi in ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F), _SURROGATES):
+    for lo, hi in (*_ESCAPED_ONLY, _SURROGATES):
         raw = _minus(raw, lo, hi)
     alts = []
     if raw:
@@ -547,17 +533,17 @@ def _chars(ranges: list[tuple[int, int]]) -> str:
         )
         alts.append(f"[{body}]")
     inside = {c for lo, hi in ranges for c in range(lo, min(hi, 0x7F) + 1)}
-    short = "".join(e for c, e in ((0x22, '\\"'), (0x5C, "\\\\"), *_SHORT.items()) if c in inside)
+    # What follows the backslash of each escaped one: a letter or itself, else u00XX.
+    escaped = [
+        _json_char(c)[1:] for c in sorted(inside) if any(a <= c <= b for a, b in _ESCAPED_ONLY)
+    ]
+    short = "".join("\\" + e if e in '"\\' else e for e in escaped if len(e) == 1)
     escapes = [f"[{short}]"] if short else []
     if inside.issuperset(range(0x20)):  # every control character: any \u00XX of them
         escapes.append('"u00" [01] [0-9a-fA-F]')
         escapes += ['"u007" [fF]'] if 0x7F in inside else []
     else:
-        escapes += [
-            _gbnf_literal(_json_char(c)[1:])
-            for c in sorted(inside)
-            if (c < 0x20 or c == 0x7F) and c not in _SHORT
-        ]
+        escapes += [_gbnf_literal(e) for e in escaped if len(e) > 1]
     if escapes:
         alts.append('"\\\\" ' + (escapes[0] if len(escapes) == 1 else f"({' | '.join(escapes)})"))
     if not alts:
