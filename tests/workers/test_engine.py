@@ -960,23 +960,29 @@ def test_an_integers_bounds_hold(engine):
         assert not grammar_takes(engine, schema, "01", whole=True)  # no leading zero
 
 
-def test_a_numbers_whole_bounds_hold(engine):
-    """A number bounded by whole numbers (a confidence from 0 to 1, a price of at least 0)
-    takes exactly the numbers in range, without an exponent; neither converter bounds
-    numbers (llama-cpp-python's grammar took 1.5 as a confidence)."""
-    from decimal import Decimal
+def test_a_numbers_bounds_hold(engine):
+    """A bounded number (a confidence from 0 to 1, a rating from 0.5 to 5, a price above
+    0.25) takes exactly the numbers in range, without an exponent; neither converter
+    bounds numbers (llama-cpp-python's grammar took 1.5 as a confidence)."""
+    from decimal import Decimal as D
 
     values = ["0", "0.5", "1", "1.0", "1.5", "-0.5", "-2", "-2.0", "-2.5", "-5", "-5.5", "0.0"]
-    values += ["-3", "-4.99", "7", "12.25", "1e2"]
+    values += ["-3", "-4.99", "7", "12.25", "1e2", "0.25", "0.250", "0.2500001", "0.24999"]
+    values += ["0.75", "0.7500", "0.75001", "0.7", "-0.05", "-0.049", "-0.051", "0.123"]
+    values += ["0.129", "0.1291", "0.1289", "0.12", "0.13", "0.4999", "5.0", "5.01", "4.99"]
     for bounds, allowed in [
         ({"minimum": 0, "maximum": 1}, lambda v: 0 <= v <= 1),
         ({"exclusiveMinimum": 0}, lambda v: v > 0),
         ({"minimum": -5, "exclusiveMaximum": -2}, lambda v: -5 <= v < -2),
         ({"maximum": 1, "exclusiveMaximum": True, "minimum": -3}, lambda v: -3 <= v < 1),
+        ({"minimum": 0.5, "maximum": 5}, lambda v: D("0.5") <= v <= 5),
+        ({"exclusiveMinimum": 0.25, "maximum": 0.75}, lambda v: D("0.25") < v <= D("0.75")),
+        ({"minimum": -1.5, "exclusiveMaximum": -0.05}, lambda v: D("-1.5") <= v < D("-0.05")),
+        ({"minimum": 0.123, "maximum": 0.129}, lambda v: D("0.123") <= v <= D("0.129")),
     ]:
         schema = {"type": "number", **bounds}
         for text in values:
-            expected = "e" not in text and allowed(Decimal(text))
+            expected = "e" not in text and allowed(D(text))
             assert grammar_takes(engine, schema, text, whole=True) == expected, (bounds, text)
 
 
@@ -985,6 +991,7 @@ def test_generated_strings_match_their_patterns(engine):
     matches its pattern and each number keeps its bounds."""
     import json
     import re
+    from decimal import Decimal
 
     from workers.engine.grammar import grammar_for_schema
 
@@ -996,26 +1003,28 @@ def test_generated_strings_match_their_patterns(engine):
             "note": {"type": "string", "pattern": "^.{1,12}$"},
             "stars": {"type": "integer", "minimum": 1, "maximum": 5},
             "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+            "price": {"type": "number", "exclusiveMinimum": 0.25, "maximum": 0.75},
         },
-        "required": ["phone", "code", "note", "stars", "confidence"],
+        "required": ["phone", "code", "note", "stars", "confidence", "price"],
     }
     prompt = chat_tokens(engine, [{"role": "user", "content": "A contact as JSON."}])
     grammar = grammar_for_schema(json.dumps(schema))
     texts, done, errors = run(
         engine,
         [
-            Request(f"p{i}", prompt, 120, Sampling(temperature=1.0, seed=i, grammar=grammar))
+            Request(f"p{i}", prompt, 160, Sampling(temperature=1.0, seed=i, grammar=grammar))
             for i in range(4)
         ],
     )
     assert not errors
     for i in range(4):
         assert done[f"p{i}"].reason == "stop", texts[f"p{i}"]
-        got = json.loads(texts[f"p{i}"])
+        got = json.loads(texts[f"p{i}"], parse_float=Decimal)
         for name, prop in schema["properties"].items():
             if "pattern" in prop:
                 assert re.search(prop["pattern"], got[name], re.ASCII), (name, got)
         assert got["stars"] in range(1, 6) and 0 <= got["confidence"] <= 1, got
+        assert Decimal("0.25") < got["price"] <= Decimal("0.75"), got
 
 
 def test_a_json_schema_grammar_shapes_the_output(engine):

@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import re
+from decimal import Decimal
 from re import _constants as C
 from re import _parser as P
 
@@ -252,56 +253,124 @@ def _same_length(a: str, b: str) -> list[str]:
 
 
 def number_bounds(schema: dict) -> tuple | None:
-    """(lowest, exclusive?, highest, exclusive?) of a number schema whose bounds are whole
-    numbers (None: no bound on that side), or None: no bound, or one with a fraction, which
-    is left unenforced as both converters leave every number bound (see _bounds)."""
+    """(lowest, exclusive?, highest, exclusive?) of a number schema, as Decimals (None: no
+    bound on that side), or None when it has no bound (see _bounds). A float bound is read
+    as its shortest spelling: 0.1 is 0.1, not the binary value nearest it."""
     bounds = _bounds(schema, "number")
-    if bounds is None or any(v != int(v) for v, _ in bounds[0] + bounds[1]):
+    if bounds is None:
         return None
+    lows, highs = ([(Decimal(str(v)), ex) for v, ex in side] for side in bounds)
     # At one value the exclusive bound is the tighter.
-    lo, lo_ex = max(bounds[0], key=lambda b: (b[0], b[1]), default=(None, False))
-    hi, hi_ex = min(bounds[1], key=lambda b: (b[0], not b[1]), default=(None, False))
-    lo, hi = (None if v is None else int(v) for v in (lo, hi))
+    lo, lo_ex = max(lows, key=lambda b: (b[0], b[1]), default=(None, False))
+    hi, hi_ex = min(highs, key=lambda b: (b[0], not b[1]), default=(None, False))
     if lo is not None and hi is not None and (lo > hi or lo == hi and (lo_ex or hi_ex)):
         raise ValueError(f"no number is within {lo} and {hi}")
     return lo, lo_ex, hi, hi_ex
 
 
-#: A bounded number's fraction (at most 16 digits, as the converters' decimal part).
+#: A bounded number's fraction (at most 16 digits, as the converters' decimal part, and as
+#: many more as a bound's own fraction needs).
 _FRACTION = '"." [0-9]{1,16}'
-_ZEROS = '"." "0"{1,16}'
-_NONZERO = '"." "0"{0,15} [1-9] [0-9]{0,15}'
+_TAIL = "[0-9]{0,15}"
 
 
-def number_rule(lo: int | None, lo_ex: bool, hi: int | None, hi_ex: bool) -> str:
-    """GBNF for a JSON number between whole bounds (None: unbounded; _ex: exclusive),
-    without an exponent."""
+def number_rule(lo: Decimal | None, lo_ex: bool, hi: Decimal | None, hi_ex: bool) -> str:
+    """GBNF for a JSON number between lo and hi (None: unbounded; _ex: exclusive), without
+    an exponent."""
     alts = []
     if hi is None or hi > 0 or hi == 0 and not hi_ex:  # zero and up
-        low = (lo, lo_ex) if lo is not None and lo >= 0 else (0, False)
+        low = (lo, lo_ex) if lo is not None and lo >= 0 else (Decimal(0), False)
         alts += [_between(*low, hi, hi_ex)]
     if lo is None or lo < 0:  # below zero, by magnitude ("-0" where zero is allowed)
         if hi is not None and (hi < 0 or hi == 0 and hi_ex):
             low = (-hi, hi_ex)
         else:
-            low = (0, False)
-        alts += [f'"-" ({_between(*low, None if lo is None else -lo, lo_ex)})']
+            low = (Decimal(0), False)
+        below = _between(*low, None if lo is None else -lo, lo_ex)
+        alts += [f'"-" ({below})' if below else ""]
     return " | ".join(f"({a})" for a in alts if a)
 
 
-def _between(c: int, c_ex: bool, d: int | None, d_ex: bool) -> str:
+def _between(c: Decimal, c_ex: bool, d: Decimal | None, d_ex: bool) -> str:
     """GBNF for the magnitudes from c to d (0 <= c; None: no end; _ex: exclusive), by
-    integer part: between them any fraction, at c only above it, at d none."""
-    top = 10 ** max(MAX_DIGITS, len(str(c)), len(str(d or 0))) - 1
-    if d is not None and d == c:
-        return "" if c_ex or d_ex else f'"{c}" ({_ZEROS})?'
-    alts = [f'"{c}" {_NONZERO}' if c_ex else f'"{c}" ({_FRACTION})?']
-    end = top if d is None else d - 1
-    if c + 1 <= end:
-        alts.append(f"({_magnitudes(c + 1, end)}) ({_FRACTION})?")
-    if d is not None and not d_ex:
-        alts.append(f'"{d}" ({_ZEROS})?')
-    return " | ".join(alts)
+    integer part: between the bounds' integer parts any fraction, at theirs the fractions
+    on the right side of the bounds' own."""
+    (ci, cf), (di, df) = _parts(c), _parts(d) if d is not None else (None, "")
+    if di == ci:
+        return _point(ci, _fraction_between(cf, c_ex, df, d_ex))
+    top = 10 ** max(MAX_DIGITS, len(str(ci)), len(str(di or 0))) - 1
+    alts = [_point(ci, _fraction_from(cf, c_ex))]
+    end = top if d is None else di - 1
+    if ci + 1 <= end:
+        alts.append(f"({_magnitudes(ci + 1, end)}) ({_FRACTION})?")
+    if d is not None:
+        alts.append(_point(di, _fraction_to(df, d_ex)))
+    return " | ".join(a for a in alts if a)
+
+
+def _parts(x: Decimal) -> tuple[int, str]:
+    """A magnitude's integer part and its fraction's digits, without trailing zeros."""
+    whole, _, fraction = f"{x:f}".partition(".")
+    return int(whole), fraction.rstrip("0")
+
+
+#: Fractions are written as (GBNF of the digit strings after the point that are allowed, or
+#: None for no such string; whether no fraction at all is allowed).
+Fraction = tuple[str | None, bool]
+
+
+def _point(whole: int | str, fraction: Fraction) -> str:
+    """GBNF for `whole` followed by one of the fractions (and their point), or ""."""
+    digits, bare = fraction
+    if digits is None:
+        return f'"{whole}"' if bare else ""
+    return f'"{whole}" ("." ({digits}))' + ("?" if bare else "")
+
+
+def _then(digit: int, fraction: Fraction) -> str | None:
+    """GBNF for the digit strings `digit` followed by one of the fraction's strings."""
+    digits, bare = fraction
+    if digits is None:
+        return f'"{digit}"' if bare else None
+    return f'"{digit}" ({digits})' + ("?" if bare else "")
+
+
+def _digits(x: int, y: int) -> str | None:
+    """One digit from x to y, then any digits; None when x > y."""
+    return None if x > y else f"[{x}-{y}] {_TAIL}"
+
+
+def _either(*alts: str | None) -> str | None:
+    return " | ".join(a for a in alts if a) or None
+
+
+def _fraction_from(a: str, exclusive: bool) -> Fraction:
+    """The fractions f with 0.f >= 0.a (> when exclusive); a: digits, "" for zero."""
+    if not a:
+        return ('"0"{0,15} [1-9] [0-9]{0,15}', False) if exclusive else ("[0-9]{1,16}", True)
+    x = int(a[0])
+    return _either(_digits(x + 1, 9), _then(x, _fraction_from(a[1:], exclusive))), False
+
+
+def _fraction_to(b: str, exclusive: bool) -> Fraction:
+    """The fractions f with 0.f <= 0.b (< when exclusive); b: digits, "" for zero."""
+    if not b:
+        return (None, False) if exclusive else ('"0"{1,16}', True)
+    y = int(b[0])
+    return _either(_digits(0, y - 1), _then(y, _fraction_to(b[1:], exclusive))), True
+
+
+def _fraction_between(a: str, a_ex: bool, b: str, b_ex: bool) -> Fraction:
+    """The fractions f with 0.a <= 0.f <= 0.b (each < where exclusive), 0.a <= 0.b."""
+    if not a and not a_ex:
+        return _fraction_to(b, b_ex)
+    if not b:  # nothing is above zero and at most zero
+        return None, False
+    x, y = int(a[0]) if a else 0, int(b[0])
+    if x == y:
+        return _then(x, _fraction_between(a[1:], a_ex, b[1:], b_ex)), False
+    low = _then(x, _fraction_from(a[1:], a_ex))
+    return _either(low, _digits(x + 1, y - 1), _then(y, _fraction_to(b[1:], b_ex))), False
 
 
 # ---- pattern -------------------------------------------------------------------------------
