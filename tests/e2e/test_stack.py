@@ -79,6 +79,7 @@ def test_openai_sdk_parses_a_structured_output_into_a_pydantic_model(stack, mode
         name: str
         country: str
         founded: Annotated[str, StringConstraints(pattern=r"^\d{3,4}( BC)?$")]
+        code: Annotated[str, StringConstraints(pattern="^[A-Z]+$", min_length=2, max_length=3)]
 
     client = OpenAI(base_url=stack["url"] + "/v1", api_key=stack["key"])
     reply = client.chat.completions.parse(
@@ -91,11 +92,13 @@ def test_openai_sdk_parses_a_structured_output_into_a_pydantic_model(stack, mode
     city = reply.choices[0].message.parsed
     assert isinstance(city, City) and city.name and reply.choices[0].finish_reason == "stop"
     assert re.fullmatch(r"\d{3,4}( BC)?", city.founded), city  # pydantic checked it too
+    assert re.fullmatch("[A-Z]{2,3}", city.code), city
     # A schema the grammar cannot express, or a pattern it cannot hold to: a 400 naming
     # response_format and what it could not express, before any token (not ignored).
     for schema, named in [
         ({"$ref": "#/nowhere"}, "nowhere"),
         ({"type": "string", "pattern": "^(?!no)"}, "/^(?!no)/"),
+        ({"type": "string", "pattern": r"^\d{3}$", "maxLength": 2}, "no string of 0 to 2"),
     ]:
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(

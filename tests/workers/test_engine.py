@@ -919,6 +919,64 @@ def test_a_pattern_takes_exactly_the_strings_it_matches(engine):
             assert grammar_takes(engine, schema, text, whole=True) == expected, (pattern, value)
 
 
+#: (pattern, minLength, maxLength, values tried).
+LENGTHS = [
+    ("^[A-Z]+$", 2, 4, ["A", "AB", "ABCD", "ABCDE", "ab"]),
+    (r"^[A-Z]{2}\d+$", 0, 5, ["AB1", "AB123", "AB1234", "A12"]),
+    (r"\d+", 0, 4, ["a1", "12b4", "x1y2z", "abc", "1234"]),
+    ("^(ab|c)+$", 3, 4, ["abc", "cab", "cc", "abab", "ababc", "ccccc"]),
+    ("^.*$", 3, None, ["ab", "abc", 'a"b\\c']),
+    ("^x", 2, 3, ["x", "xy", "xyz", "xyzw", "yx"]),
+]
+
+
+def test_lengths_beside_a_pattern_hold(engine):
+    """minLength and maxLength beside a pattern: both converters keep the pattern alone (a
+    tag of at most 4 capitals could run on); here the grammar takes exactly the matching
+    strings of those lengths."""
+    import json
+    import re
+
+    for pattern, least, most, values in LENGTHS:
+        schema = {"type": "string", "pattern": pattern, "minLength": least}
+        if most is not None:
+            schema["maxLength"] = most
+        for value in values:
+            text = json.dumps(value, ensure_ascii=False)
+            fits = least <= len(value) <= (len(value) if most is None else most)
+            expected = fits and re.search(pattern, value, re.ASCII) is not None
+            assert grammar_takes(engine, schema, text, whole=True) == expected, (schema, value)
+
+
+def test_a_length_bound_too_large_to_write_leaves_the_pattern(engine):
+    """GBNF written inline shares no part: at most 40 characters of "(ab|c)+" would take an
+    exponential grammar, so the pattern alone holds there, as in both converters."""
+    import json
+
+    schema = {"type": "string", "pattern": "^(ab|c)+$", "maxLength": 40}
+    assert grammar_takes(engine, schema, json.dumps("ab" * 30), whole=True)
+    assert not grammar_takes(engine, schema, json.dumps("abb"), whole=True)
+    schema["maxLength"] = 6  # small enough to write
+    assert not grammar_takes(engine, schema, json.dumps("abababab"), whole=True)
+
+
+def test_lengths_no_matching_string_can_have_are_refused():
+    import json
+
+    from workers.engine.grammar import grammar_for_schema
+
+    for extra, what in [
+        ({"pattern": r"^\d{3}$", "maxLength": 2}, "matches no string of 0 to 2 characters"),
+        ({"pattern": "^a+$", "minLength": 3, "maxLength": 2}, "at least 3 and at most 2"),
+        ({"pattern": "^a+$", "maxLength": -1}, "maxLength must be a whole number"),
+        ({"pattern": "^a+$", "minLength": "2"}, "minLength must be a whole number"),
+    ]:
+        with pytest.raises(EngineError) as err:
+            grammar_for_schema(json.dumps({"type": "string", **extra}))
+        assert err.value.code == codes.INVALID_SCHEMA, extra
+        assert what in err.value.message, err.value.message
+
+
 def test_what_a_pattern_cannot_say_in_a_grammar_is_refused_by_name():
     """Look-arounds, back-references, word boundaries and flags are refused with what the
     grammar cannot express (llama.cpp's converter accepts any string instead, which ignores
@@ -1004,8 +1062,9 @@ def test_generated_strings_match_their_patterns(engine):
             "stars": {"type": "integer", "minimum": 1, "maximum": 5},
             "confidence": {"type": "number", "minimum": 0, "maximum": 1},
             "price": {"type": "number", "exclusiveMinimum": 0.25, "maximum": 0.75},
+            "tag": {"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4},
         },
-        "required": ["phone", "code", "note", "stars", "confidence", "price"],
+        "required": ["phone", "code", "note", "stars", "confidence", "price", "tag"],
     }
     prompt = chat_tokens(engine, [{"role": "user", "content": "A contact as JSON."}])
     grammar = grammar_for_schema(json.dumps(schema))
@@ -1025,6 +1084,7 @@ def test_generated_strings_match_their_patterns(engine):
                 assert re.search(prop["pattern"], got[name], re.ASCII), (name, got)
         assert got["stars"] in range(1, 6) and 0 <= got["confidence"] <= 1, got
         assert Decimal("0.25") < got["price"] <= Decimal("0.75"), got
+        assert 2 <= len(got["tag"]) <= 4, got
 
 
 def test_a_json_schema_grammar_shapes_the_output(engine):

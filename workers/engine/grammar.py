@@ -28,9 +28,11 @@ _NOT_RAW = r'"\\\x7F\x00-\x1F'
 _ESCAPED = r'"\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
 
 
+@functools.lru_cache(maxsize=64)
 def grammar_for_schema(schema_json: str) -> str:
     """GBNF for a JSON schema (see _schema_converter); EngineError INVALID_SCHEMA naming what
-    it could not express."""
+    it could not express. Kept for the last schemas seen: it is made in the engine's loop,
+    and an application sends the same schema with every request."""
     try:
         converter = _schema_converter()(
             prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
@@ -111,10 +113,14 @@ def _schema_converter():
             return super()._add_rule(name, rule)
 
         def _visit_pattern(self, pattern, name):
-            return self._add_rule(name, pattern_rule(pattern, self._add_primitive("char", char)))
+            rule = pattern_rule(pattern, self._add_primitive("char", char), *self._lengths)
+            return self._add_rule(name, rule)
 
         def visit(self, schema, name):
             rule = None
+            # The base converter passes _visit_pattern the pattern alone.
+            patterned = isinstance(schema, dict) and "pattern" in schema
+            self._lengths = string_lengths(schema) if patterned else (0, None)
             if isinstance(schema, dict) and (bounds := integer_bounds(schema)) is not None:
                 rule = integer_rule(*bounds)
             elif isinstance(schema, dict) and (bounds := number_bounds(schema)) is not None:
@@ -179,6 +185,23 @@ def _bounds(schema: dict, kind: str) -> tuple[list, list] | None:
         if finite(exclusive):
             out.append((exclusive, True))
     return (lows, highs) if lows or highs else None
+
+
+def string_lengths(schema: dict) -> tuple[int, int | None]:
+    """A string schema's (minLength, maxLength or None); ValueError for a bad one."""
+    out = []
+    for key, default in (("minLength", 0), ("maxLength", None)):
+        value = schema.get(key, default)
+        if value is None:
+            out.append(value)
+            continue
+        whole = isinstance(value, int | float) and not isinstance(value, bool)
+        if not whole or not math.isfinite(value) or value != int(value) or value < 0:
+            raise ValueError(f"{key} must be a whole number of characters, not {value!r}")
+        out.append(int(value))
+    if out[1] is not None and out[0] > out[1]:
+        raise ValueError(f"no string has at least {out[0]} and at most {out[1]} characters")
+    return out[0], out[1]
 
 
 def integer_bounds(schema: dict) -> tuple[int | None, int | None] | None:
@@ -412,9 +435,12 @@ class _Unsupported(ValueError):
     """What a pattern holds that a grammar cannot express."""
 
 
-def pattern_rule(pattern: str, char: str) -> str:
-    """GBNF for a JSON string whose value matches `pattern` (char: the rule of any string
-    character, for what an unanchored pattern leaves free).
+def pattern_rule(
+    pattern: str, char: str, min_length: int = 0, max_length: int | None = None
+) -> str:
+    """GBNF for a JSON string whose value matches `pattern` and has min_length to
+    max_length characters (char: the rule of any string character, for what an unanchored
+    pattern leaves free).
 
     Works on the decoded value, as JSON Schema means it, where llama.cpp's and llama-cpp-
     python's converters paste the regular expression into the JSON text: there "." or
@@ -426,7 +452,8 @@ def pattern_rule(pattern: str, char: str) -> str:
     escape), "\\d", "\\w" and "\\s" mean what ECMA-262 says, a side without "^" or "$"
     takes any characters (a pattern matches anywhere in the string), and what cannot be
     expressed (look-arounds, back-references, word boundaries, flags) is refused by name
-    rather than ignored.
+    rather than ignored. Both converters drop minLength/maxLength beside a pattern; here
+    the lengths are cut into the pattern's own repetitions (see _within).
     """
     try:
         # ECMA-262's named group (?<name>...) is Python's (?P<name>...).
@@ -435,69 +462,77 @@ def pattern_rule(pattern: str, char: str) -> str:
             raise _Unsupported("inline flags")
         top = list(parsed)
         if len(top) == 1 and str(top[0][0]) == "BRANCH":
-            body = " | ".join(f"({_anchored(b, char) or _EMPTY})" for b in top[0][1][1])
+            tree = ("alt", tuple(_anchored(b, char) for b in top[0][1][1]))
         else:
-            body = _anchored(top, char) or _EMPTY
+            tree = _anchored(top, char)
+        body = _plain(tree)
+        if min_length or max_length is not None:
+            try:
+                top = math.inf if max_length is None else max_length
+                body = _within(tree, min_length, top, _Cuts())
+            except (_TooLarge, RecursionError):  # the pattern alone, as both converters
+                pass  # hold it (README); a long unrolled repetition is too deep to write
+            if body is None:
+                length = f"{min_length} to {'any' if max_length is None else max_length}"
+                raise ValueError(f"pattern /{pattern}/ matches no string of {length} characters")
     except re.error as exc:
         raise ValueError(f"pattern /{pattern}/ is not a regular expression: {exc}") from None
     except _Unsupported as exc:
         raise ValueError(f"pattern /{pattern}/: {exc} cannot be expressed as a grammar") from None
-    return f'"\\"" ({body}) "\\"" space'
+    return f'"\\"" ({body or _EMPTY}) "\\"" space'
 
 
-def _anchored(items, char: str) -> str:
+# A pattern as a tree of tuples, before it is written: ("lit", GBNF literal, characters),
+# ("one", GBNF of one character), ("seq", trees), ("alt", trees) and ("rep", tree, least,
+# most or None). Each character of the decoded value is one "one" or one of a "lit"'s, so a tree's
+# lengths are known (_span) and a length bound can be cut into it (_within).
+
+
+def _anchored(items, char: str) -> tuple:
     """One alternative of a whole pattern, taking any characters on a side it does not
     anchor with ^ or $."""
     items = list(items)
     start = bool(items) and str(items[0][0]) == "AT" and "BEGINNING" in str(items[0][1])
     end = bool(items) and str(items[-1][0]) == "AT" and "END" in str(items[-1][1])
-    body = _sequence(items[int(start) : len(items) - int(end)])
-    if not body:
-        return "" if start and end else f"{char}*"
-    return " ".join([f"{char}*"] * (not start) + [body] + [f"{char}*"] * (not end))
+    free = ("rep", ("one", char), 0, None)
+    body = _tree(items[int(start) : len(items) - int(end)])
+    if not body[1] and not (start and end):
+        return free  # one side free is any string: once, not twice
+    return ("seq", (free,) * (not start) + (body,) + (free,) * (not end))
 
 
-def _sequence(items) -> str:
-    """GBNF for a parsed (re._parser) sequence; "" for the empty one."""
-    parts: list[str] = []
-    literal = ""
+def _tree(items) -> tuple:
+    """The tree of a parsed (re._parser) sequence."""
+    parts: list[tuple] = []
+    literal, count = "", 0
     for op, av in items:
         name = str(op)
         if name == "LITERAL":
             literal += _json_char(av)
+            count += 1
             continue
         if literal:
-            parts.append(_gbnf_literal(literal))
-            literal = ""
+            parts.append(("lit", _gbnf_literal(literal), count))
+            literal, count = "", 0
         if name == "NOT_LITERAL":
-            parts.append(_chars(_complement([(av, av)])))
+            parts.append(("one", _chars(_complement([(av, av)]))))
         elif name == "ANY":
-            parts.append(_chars(_complement(_DOT)))
+            parts.append(("one", _chars(_complement(_DOT))))
         elif name == "IN":
-            parts.append(_chars(_class(av)))
+            parts.append(("one", _chars(_class(av))))
         elif name == "BRANCH":
-            parts.append("(" + " | ".join(_sequence(b) or _EMPTY for b in av[1]) + ")")
+            parts.append(("alt", tuple(_tree(b) for b in av[1])))
         elif name == "SUBPATTERN":
             _, add, remove, sub = av
             if add or remove:
                 raise _Unsupported("a group with flags")
-            body = _sequence(sub)
-            parts += [f"({body})"] if body else []
+            parts.append(_tree(sub))
         elif name in ("MAX_REPEAT", "MIN_REPEAT"):  # greedy or lazy: the same strings
             lo, hi, sub = av
-            body = _sequence(sub)
             unbounded = hi == C.MAXREPEAT
             if lo > MAX_REPEAT or not unbounded and hi > MAX_REPEAT:
                 raise _Unsupported(f"a repetition of more than {MAX_REPEAT}")
-            if not body or hi == 0:  # the empty string, however often
-                continue
-            if unbounded:
-                count = "*" if lo == 0 else "+" if lo == 1 else f"{{{lo},}}"
-            elif (lo, hi) == (0, 1):
-                count = "?"
-            else:
-                count = f"{{{lo}}}" if lo == hi else f"{{{lo},{hi}}}"
-            parts.append(f"{_atom(body)}{count}")
+            parts.append(("rep", _tree(sub), lo, None if unbounded else hi))
         elif name == "AT":
             raise _Unsupported("an anchor (^, $, \\b, \\B) inside the pattern")
         elif name == "GROUPREF":
@@ -505,13 +540,166 @@ def _sequence(items) -> str:
         else:  # ASSERT, ASSERT_NOT (look-arounds), ATOMIC_GROUP, POSSESSIVE_REPEAT, ...
             raise _Unsupported(name.lower().replace("_", " "))
     if literal:
-        parts.append(_gbnf_literal(literal))
-    return " ".join(parts)
+        parts.append(("lit", _gbnf_literal(literal), count))
+    return ("seq", tuple(parts))
+
+
+def _plain(tree: tuple) -> str:
+    """GBNF for every string of the tree; "" for the empty string alone."""
+    kind = tree[0]
+    if kind in ("lit", "one"):
+        return tree[1]
+    if kind == "seq":
+        return " ".join(p for p in map(_plain, tree[1]) if p)
+    if kind == "alt":
+        return "(" + " | ".join(_plain(t) or _EMPTY for t in tree[1]) + ")"
+    _, sub, lo, hi = tree
+    return _repeat(_plain(sub), lo, hi)
+
+
+def _repeat(body: str, lo: int, hi: int | float | None) -> str:
+    """GBNF for `body` lo to hi times (None or inf: no end)."""
+    if not body or hi == 0:  # the empty string, however often
+        return ""
+    if hi is None or hi == math.inf:
+        count = "*" if lo == 0 else "+" if lo == 1 else f"{{{lo},}}"
+    elif (lo, hi) == (0, 1):
+        count = "?"
+    elif (lo, hi) == (1, 1):
+        return body
+    else:
+        count = f"{{{lo}}}" if lo == hi else f"{{{lo},{hi}}}"
+    return f"{_atom(body)}{count}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _span(tree: tuple) -> tuple[int, float]:
+    """The fewest and most characters of the tree's strings (inf: no most)."""
+    kind = tree[0]
+    if kind == "lit":
+        return tree[2], tree[2]
+    if kind == "one":
+        return 1, 1
+    if kind == "rep":
+        (a, b), lo, hi = _span(tree[1]), tree[2], tree[3]
+        if b == 0 or hi == 0:
+            return 0, 0
+        return a * lo, math.inf if hi is None else b * hi
+    spans = [_span(t) for t in tree[1]]
+    if kind == "seq":
+        return sum(a for a, _ in spans), sum(b for _, b in spans)
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+#: Alternatives a length bound may try, and characters its grammar may take; beyond either
+#: it is left out (GBNF written inline shares no part, so a bound over several unbounded
+#: parts grows with its square, and over an unrolled repetition of choices exponentially).
+MAX_LENGTH_ALTERNATIVES = 4096
+MAX_LENGTH_GRAMMAR = 64 << 10
+
+
+class _TooLarge(Exception):
+    """A length bound would take more than MAX_LENGTH_ALTERNATIVES or MAX_LENGTH_GRAMMAR."""
+
+
+class _Cuts:
+    """One length bound's work: what each (tree, lo, hi) gave, and the alternatives tried
+    (an unrolled repetition reaches the same remainders by many paths)."""
+
+    def __init__(self):
+        self.done: dict[tuple, str | None] = {}
+        self.tried = 0
+
+
+def _within(tree: tuple, lo: int, hi: float, cuts: _Cuts) -> str | None:
+    """GBNF for the tree's strings of lo to hi characters (hi may be inf), or None when
+    there is none. A fixed-width repetition takes the counts that fit; a sequence with
+    several parts of varying length gives the first such part each length in turn, the
+    rest the remainder. _TooLarge past MAX_LENGTH_ALTERNATIVES or MAX_LENGTH_GRAMMAR."""
+    a, b = _span(tree)
+    lo, hi = max(lo, a), min(hi, b)
+    if lo > hi:
+        return None
+    if (lo, hi) == (a, b):
+        return _plain(tree)
+    if (tree, lo, hi) not in cuts.done:
+        cut = cuts.done[tree, lo, hi] = _cut(tree, lo, hi, cuts)
+        if cut is not None and len(cut) > MAX_LENGTH_GRAMMAR:
+            raise _TooLarge
+    return cuts.done[tree, lo, hi]
+
+
+def _cut(tree: tuple, lo: int, hi: float, cuts: _Cuts) -> str | None:
+    """_within for a tree whose lengths reach beyond lo to hi."""
+    kind = tree[0]
+    if kind == "alt":
+        alts = [x for x in (_within(t, lo, hi, cuts) for t in tree[1]) if x is not None]
+        return _either_of(alts)
+    if kind == "rep":
+        _, sub, m, n = tree
+        sa, sb = _span(sub)
+        if sa == sb:  # a fixed width: the counts that fit
+            most = math.inf if n is None else n
+            least, most = max(m, -(-lo // sa)), most if hi == math.inf else min(most, hi // sa)
+            return _repeat(_plain(sub), least, most) if least <= most else None
+        if sa == 0:
+            raise _TooLarge  # a repetition of what may be empty: no count bounds its length
+        less = None if n is None else n - 1  # one repetition, then the rest
+        once = ("seq", (sub, ("rep", sub, max(m - 1, 0), less)))
+        return _within(once if m else ("alt", (("seq", ()), once)), lo, hi, cuts)
+    return _seq_within(tree[1], lo, hi, cuts)
+
+
+def _seq_within(items: tuple, lo: int, hi: float, cuts: _Cuts) -> str | None:
+    spans = [_span(t) for t in items]
+    varying = [i for i, (a, b) in enumerate(spans) if a != b]
+    i = varying[0]  # there is one: a fixed sequence was either in range or empty
+    head, part, rest = items[:i], items[i], items[i + 1 :]
+    fixed = sum(a for a, _ in spans[:i])
+    ra, rb = _span(("seq", rest))
+    pa, pb = spans[i]
+    alts = []
+    if len(varying) == 1:  # the rest is fixed too
+        middle = _within(part, lo - fixed - ra, hi - fixed - ra, cuts)
+        alts = [] if middle is None else [" ".join(p for p in (middle, _plain(("seq", rest))) if p)]
+    else:
+        first = max(pa, lo - fixed - rb)
+        last = min(pb, hi - fixed - ra)
+        free = lo - fixed - ra  # from this length of the part on, the rest has no floor
+        k, size = first, 0
+        while k <= last:
+            cuts.tried += 1  # counted before the work: it bounds the work too
+            if cuts.tried > MAX_LENGTH_ALTERNATIVES:
+                raise _TooLarge
+            if hi == math.inf and k >= free:  # the rest is then free: one alternative
+                pair = (_within(part, k, math.inf, cuts), _plain(("seq", rest)))
+                last = -1
+            else:
+                pair = (
+                    _within(part, k, k, cuts),
+                    _within(("seq", rest), lo - fixed - k, hi - fixed - k, cuts),
+                )
+                k += 1
+            if None not in pair:
+                alts.append(" ".join(p for p in pair if p))
+                size += len(alts[-1])
+                if size > MAX_LENGTH_GRAMMAR:
+                    raise _TooLarge
+    body = _either_of(alts)
+    return None if body is None else " ".join(p for p in (_plain(("seq", head)), body) if p)
+
+
+def _either_of(alts: list[str]) -> str | None:
+    """GBNF for any of the alternatives ("" is the empty string), or None for none."""
+    alts = list(dict.fromkeys(alts))
+    if len(alts) < 2:
+        return alts[0] if alts else None
+    return "(" + " | ".join(a or _EMPTY for a in alts) + ")"
 
 
 def _atom(body: str) -> str:
     """The body as one GBNF term: in parentheses unless it is one character class."""
-    return body if re.fullmatch(r"\[[^\]]*\]", body) else f"({body})"
+    return body if re.fullmatch(r"\[[^\]]*\]|[\w-]+", body) else f"({body})"
 
 
 def _class(items) -> list[tuple[int, int]]:
