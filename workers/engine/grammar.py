@@ -62,11 +62,12 @@ def _schema_converter():
       key but a declared one, so a declared property cannot come twice, the second time
       with a value its schema does not allow (see _not_names);
     - a string's `pattern` is translated by pattern_rule (both converters broke quotes,
-      escapes and alternatives; see there);
+      escapes and alternatives; see there), with its minLength and maxLength (both
+      converters dropped them beside a pattern);
     - an integer's minimum and maximum (exclusive or not) bound it, as llama.cpp's do
       (llama-cpp-python's ignored them: a rating of 1 to 5 could come out as 7);
-    - so do a number's, where they are whole numbers (a confidence from 0 to 1, a price
-      of at least 0), which neither converter does; a bounded number has no exponent."""
+    - so do a number's (a confidence from 0 to 1, a price above 0.25), which neither
+      converter does; a bounded number has no exponent."""
     from llama_cpp import llama_grammar as G
 
     escape = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
