@@ -1,20 +1,21 @@
 """One engine alone through the routing part's chats: the floor under the stack's figures.
 
 `python bench/engine_turns.py [--threads 1] [--conversations 8] [--rounds 1]
-[--distinct-first] [--flash-attn auto|on|off]` steps a BatchEngine in this process (no
-agent, web process or HTTP) through conversations like those of `bench/serving.py`'s
-routing part with one shared system prompt: 5 turns of 32 greedy tokens, history resent,
-each user pausing 0.2-1.5 s (the same seeds). It prints the median time to first token of
-turns 2-5, from the user sending a turn and from the loop taking it between steps (what the
-agent's histogram measures), and the step times. Before that it times single llama_decode
-calls of a few batch shapes over 0 to 1024 cached tokens a slot: the cost of a step by its
-tokens. `--rounds N` runs N rounds on the same engine: the first reads the system prompt 8
-times, which spreads its conversations out, while later rounds find it cached and take
-their turns together, as the routing part's rounds do (`--distinct-first` runs a round with
-a system prompt each before them). `--rounds 0` times the decode calls only. Nothing is
-written: the figures are for reading beside the routing part's, on the same machine in the
-same hour. Needs the SmolLM2 file of a bench run (var/bench/models) or of the tests
-(var/test-cache).
+[--distinct-first] [--flash-attn auto|on|off] [--prompt-first on|off|both]` steps a
+BatchEngine in this process (no agent, web process or HTTP) through conversations like
+those of `bench/serving.py`'s routing part with one shared system prompt: 5 turns of 32
+greedy tokens, history resent, each user pausing 0.2-1.5 s (the same seeds). It prints the
+median time to first token of turns 2-5, from the user sending a turn and from the loop
+taking it between steps (what the agent's histogram measures), and the step times. Before
+that it times single llama_decode calls of a few batch shapes over 0 to 1024 cached tokens
+a slot: the cost of a step by its tokens. `--rounds N` runs N rounds on the same engine:
+the first reads the system prompt 8 times, which spreads its conversations out, while later
+rounds find it cached and take their turns together, as the routing part's rounds do
+(`--distinct-first` runs a round with a system prompt each before them). `--rounds 0` times
+the decode calls only. `--prompt-first both` compares the engine's two orders for a short
+prompt beside running streams, round by round. Nothing is written: the figures are for
+reading beside the routing part's, on the same machine in the same hour. Needs the SmolLM2
+file of a bench run (var/bench/models) or of the tests (var/test-cache).
 """
 
 from __future__ import annotations
@@ -83,8 +84,11 @@ def decode_costs(engine: core.BatchEngine, bases=(0, 128, 256, 512, 1024)) -> di
     return out
 
 
-def chats(engine: core.BatchEngine, formatter, n: int, r: int = 0, shared: bool = True) -> dict:
-    """One round of n conversations (round r's tags and seeds), all starting together."""
+def chats(
+    engine: core.BatchEngine, formatter, n: int, r: int = 0, shared: bool = True, tag: str = ""
+) -> dict:
+    """One round of n conversations (round r's seeds, and its tags unless `tag` is given),
+    all starting together."""
     convs = [
         {
             "messages": [
@@ -108,7 +112,8 @@ def chats(engine: core.BatchEngine, formatter, n: int, r: int = 0, shared: bool 
         for i, c in enumerate(convs):
             if c["turn"] < 5 and c["sent"] is None and now >= c["ready"]:
                 k = c["turn"]
-                text = f"(e {r}.{i}) " + serving.QUESTIONS[0] if k == 0 else serving.QUESTIONS[k]
+                first = f"(e {tag or r}.{i}) " + serving.QUESTIONS[0]
+                text = first if k == 0 else serving.QUESTIONS[k]
                 c["messages"].append({"role": "user", "content": text})
                 tokens = _build_prompt(engine, formatter, {"messages": c["messages"]})
                 rid = f"{r}.{i}.{k}"
@@ -170,6 +175,14 @@ def main() -> None:
         "--rounds", type=int, default=1, help="rounds of shared-prompt chats, one engine"
     )
     parser.add_argument(
+        "--prompt-first",
+        choices=("on", "off", "both"),
+        default="on",
+        help="a short prompt beside running streams read in a step of its own (the engine's "
+        "default) or in theirs; both: after a warm round, each round once each way, in "
+        "alternating order, the same pauses and new conversations for each",
+    )
+    parser.add_argument(
         "--distinct-first",
         action="store_true",
         help="a round with a system prompt per conversation first, as in the routing part",
@@ -196,6 +209,17 @@ def main() -> None:
     }
     if args.distinct_first:
         result["distinct"] = chats(engine, formatter, args.conversations, -1, shared=False)
+    if args.prompt_first == "both":
+        chats(engine, formatter, args.conversations, 0)  # reads the shared prompt once
+        arms: dict[str, list[dict]] = {"on": [], "off": []}
+        for r in range(1, args.rounds + 1):
+            for arm in ("on", "off") if r % 2 else ("off", "on"):
+                engine.prompt_first = arm == "on"
+                arms[arm].append(chats(engine, formatter, args.conversations, r, tag=f"{r}{arm}"))
+        result["prompt_first"] = arms
+        print(json.dumps(result, indent=2))
+        return
+    engine.prompt_first = args.prompt_first == "on"
     rounds = [chats(engine, formatter, args.conversations, r) for r in range(args.rounds)]
     if rounds:
         result["chats"] = rounds[0] if len(rounds) == 1 else rounds

@@ -682,9 +682,10 @@ def test_the_invariant_mode_keeps_no_prompt_cache(invariant):
 def test_prompts_arriving_together_are_read_shortest_first_within_the_budget(smollm2_path):
     """Throughput mode: prompts arriving together with nothing running are read in one
     step, as llama-server fills its batch (no stream waits on it). Prompts arriving beside
-    running streams are read whole, the shortest first, at most PROMPT_BUDGET tokens a step
-    alongside the streams' decoding, so the first ones reach their first token at once and
-    the streams are not held up by all of them."""
+    running streams are read whole, the shortest first, at most PROMPT_BUDGET tokens a step,
+    so the first ones reach their first token at once and the streams are not held up by
+    all of them; those that fit are read in a step of their own, before the streams' next
+    tokens, which come in the step after."""
     from workers.engine import core
 
     e = BatchEngine(str(smollm2_path), context_length=512, parallel=14, threads=2)
@@ -708,19 +709,19 @@ def test_prompts_arriving_together_are_read_shortest_first_within_the_budget(smo
         by_length = sorted(range(7), key=lambda i: (len(later[i]), i))
         running = {q.req.request_id for q in e.active.values() if q.req.request_id[0] == "s"}
         fits = max(
-            k
-            for k in range(8)
-            if len(running) + sum(len(later[i]) for i in by_length[:k])
-            <= len(running) + core.PROMPT_BUDGET
+            k for k in range(8) if sum(len(later[i]) for i in by_length[:k]) <= core.PROMPT_BUDGET
         )
         assert 0 < fits < len(later)
         second = {ev.id for ev in e.step() if isinstance(ev, (Token, Done))}
-        assert second == running | {f"t{i}" for i in by_length[:fits]}
+        assert second == {f"t{i}" for i in by_length[:fits]}  # before the streams' tokens
         nxt = f"t{by_length[fits]}"
         [q] = [q for q in e.active.values() if q.req.request_id == nxt]
         assert q.prefill_pos == 0  # not begun: a part of a prompt gives no first token
+        third = {ev.id for ev in e.step() if isinstance(ev, (Token, Done))}
+        assert running <= third  # the streams advance in the next step
         first_step = {f"t{i}": 1 for i in by_length[:fits]}
-        step = 1
+        first_step.update((i, 2) for i in third if i[0] == "t" and i not in first_step)
+        step = 2
         while len(first_step) < len(later):
             step += 1
             for ev in e.step():
@@ -728,6 +729,36 @@ def test_prompts_arriving_together_are_read_shortest_first_within_the_budget(smo
                     first_step.setdefault(ev.id, step)
         order = [first_step[f"t{i}"] for i in by_length]
         assert order == sorted(order)  # the shortest first
+        while not e.idle():
+            e.step()
+    finally:
+        e.close()
+
+
+def test_a_short_prompt_beside_running_streams_is_read_first_but_never_twice_running(
+    smollm2_path,
+):
+    """A short prompt arriving beside a running stream gets a step of its own (its first
+    token does not wait for the stream's, which llama.cpp computes in a micro-batch of its
+    own anyway); the stream advances in the next step whatever arrives, so it is never held
+    for two steps in a row. With prompt_first off, both come in one step, as before."""
+    e = BatchEngine(str(smollm2_path), context_length=512, parallel=6, threads=2)
+    try:
+        e.submit(Request("running", chat_tokens(e), 60, GREEDY))
+        e.step()  # admitted and read
+        while not e.active["running"].generated:
+            e.step()
+        advanced = []
+        for k in range(4):
+            if k == 3:
+                e.prompt_first = False
+            question = chat_tokens(e, [{"role": "user", "content": f"Question {k}?"}])
+            e.submit(Request(f"q{k}", question, 30, GREEDY))
+            before = e.active["running"].generated
+            e.step()
+            assert e.active[f"q{k}"].generated == 1  # its first token in this step
+            advanced.append(e.active["running"].generated - before)
+        assert advanced == [0, 1, 0, 1]
         while not e.idle():
             e.step()
     finally:

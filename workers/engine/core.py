@@ -355,6 +355,10 @@ class BatchEngine:
         self.n_swa = L.llama_model_n_swa(self.model)
         self.waiting: deque[Request] = deque()
         self.active: dict[str, _Sequence] = {}
+        #: Short prompts beside running streams get a step of their own (_step_throughput);
+        #: off only to measure what that is worth (bench/engine_turns.py --prompt-first).
+        self.prompt_first = True
+        self._prompt_alone = False  # the last step was such a step
         self._cand = None  # candidate array for grammar sampling, made on first use
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._embed_ctx = None  # made at the first embedding request
@@ -832,6 +836,21 @@ class BatchEngine:
             if seq.follows is not None:
                 continue  # an extra choice: its prompt KV comes from the first choice
             (reading if seq.prefill_pos < len(seq.prefill) else decoding).append(seq)
+        # A prompt that ends within the budget while streams run is read in a step of its
+        # own, and its first token goes out before their next ones: llama.cpp decodes a
+        # mixed step as a micro-batch of the streams' tokens and one of the prompt's anyway
+        # (a KV stream per slot takes equal tokens from each sequence), so the running
+        # streams wait no longer, and the new one does not wait for theirs. Never twice
+        # in a row: the streams advance at least every other step.
+        alone = bool(
+            decoding
+            and not self._prompt_alone
+            and any(len(q.prefill) - q.prefill_pos <= PROMPT_BUDGET for q in reading)
+            and self.prompt_first
+        )
+        self._prompt_alone = alone
+        if alone:
+            decoding = []
         take: dict[int, tuple[_Sequence | None, int]] = {s.seq_id: (s, 1) for s in decoding}
         n = len(decoding)
         # Beside running streams prompts take the budget: a stream waits at most that chunk.
@@ -840,7 +859,9 @@ class BatchEngine:
         # read two or three a step within the budget, and are now read all at once (1.09x
         # the requests a second, 2026-12-05). A prompt alone takes the whole batch; others
         # leave room for the fillers of idle slots (one token each, see _fill_holes).
-        if n == 0:
+        if alone:
+            cap = PROMPT_BUDGET
+        elif n == 0:
             cap = N_BATCH if len(reading) == 1 else N_BATCH - self.parallel
         else:
             cap = min(N_BATCH - self.parallel, n + PROMPT_BUDGET)
