@@ -364,16 +364,12 @@ def _digits(x: int, y: int) -> str | None:
     return None if x > y else f"[{x}-{y}] {_TAIL}"
 
 
-def _either(*alts: str | None) -> str | None:
-    return " | ".join(a for a in alts if a) or None
-
-
 def _fraction_from(a: str, exclusive: bool) -> Fraction:
     """The fractions f with 0.f >= 0.a (> when exclusive); a: digits, "" for zero."""
     if not a:
         return ('"0"{0,15} [1-9] [0-9]{0,15}', False) if exclusive else ("[0-9]{1,16}", True)
     x = int(a[0])
-    return _either(_digits(x + 1, 9), _then(x, _fraction_from(a[1:], exclusive))), False
+    return _either_of([_digits(x + 1, 9), _then(x, _fraction_from(a[1:], exclusive))]), False
 
 
 def _fraction_to(b: str, exclusive: bool) -> Fraction:
@@ -381,7 +377,7 @@ def _fraction_to(b: str, exclusive: bool) -> Fraction:
     if not b:
         return (None, False) if exclusive else ('"0"{1,16}', True)
     y = int(b[0])
-    return _either(_digits(0, y - 1), _then(y, _fraction_to(b[1:], exclusive))), True
+    return _either_of([_digits(0, y - 1), _then(y, _fraction_to(b[1:], exclusive))]), True
 
 
 def _fraction_between(a: str, a_ex: bool, b: str, b_ex: bool) -> Fraction:
@@ -394,7 +390,8 @@ def _fraction_between(a: str, a_ex: bool, b: str, b_ex: bool) -> Fraction:
     if x == y:
         return _then(x, _fraction_between(a[1:], a_ex, b[1:], b_ex)), False
     low = _then(x, _fraction_from(a[1:], a_ex))
-    return _either(low, _digits(x + 1, y - 1), _then(y, _fraction_to(b[1:], b_ex))), False
+    high = _then(y, _fraction_to(b[1:], b_ex))
+    return _either_of([low, _digits(x + 1, y - 1), high]), False
 
 
 # ---- pattern -------------------------------------------------------------------------------
@@ -690,9 +687,10 @@ def _seq_within(items: tuple, lo: int, hi: float, cuts: _Cuts) -> str | None:
     return None if body is None else " ".join(p for p in (_plain(("seq", head)), body) if p)
 
 
-def _either_of(alts: list[str]) -> str | None:
-    """GBNF for any of the alternatives ("" is the empty string), or None for none."""
-    alts = list(dict.fromkeys(alts))
+def _either_of(alts: list[str | None]) -> str | None:
+    """GBNF for any of the alternatives ("" is the empty string, None none), or None for
+    none at all."""
+    alts = list(dict.fromkeys(a for a in alts if a is not None))
     if len(alts) < 2:
         return alts[0] if alts else None
     return "(" + " | ".join(a or _EMPTY for a in alts) + ")"
