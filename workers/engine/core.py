@@ -823,7 +823,8 @@ class BatchEngine:
         """One llama_decode: every decoding sequence's next token, then prompt chunks of
         the sequences still reading theirs (whole short ones first) up to the step's
         budget, so that new requests reach their first token within a step or two of
-        arriving and running streams are not stalled behind long prompts.
+        arriving and running streams are not stalled behind long prompts; or, every other
+        step at most, short prompts alone (see `alone` below).
 
         The batch is laid out in slot order. With a KV stream per slot, llama.cpp cuts a
         batch into micro-batches of consecutive sequence ids taken in batch order, and each
@@ -843,10 +844,10 @@ class BatchEngine:
         # streams wait no longer, and the new one does not wait for theirs. Never twice
         # in a row: the streams advance at least every other step.
         alone = bool(
-            decoding
+            self.prompt_first
+            and decoding
             and not self._prompt_alone
             and any(len(q.prefill) - q.prefill_pos <= PROMPT_BUDGET for q in reading)
-            and self.prompt_first
         )
         self._prompt_alone = alone
         if alone:

@@ -548,9 +548,9 @@ def _plain(tree: tuple) -> str:
     if kind in ("lit", "one"):
         return tree[1]
     if kind == "seq":
-        return " ".join(p for p in map(_plain, tree[1]) if p)
+        return _join(*map(_plain, tree[1]))
     if kind == "alt":
-        return "(" + " | ".join(_plain(t) or _EMPTY for t in tree[1]) + ")"
+        return _either_of([_plain(t) for t in tree[1]])
     _, sub, lo, hi = tree
     return _repeat(_plain(sub), lo, hi)
 
@@ -659,7 +659,7 @@ def _seq_within(items: tuple, lo: int, hi: float, cuts: _Cuts) -> str | None:
     alts = []
     if len(varying) == 1:  # the rest is fixed too
         middle = _within(part, lo - fixed - ra, hi - fixed - ra, cuts)
-        alts = [] if middle is None else [" ".join(p for p in (middle, _plain(("seq", rest))) if p)]
+        alts = [] if middle is None else [_join(middle, _plain(("seq", rest)))]
     else:
         first = max(pa, lo - fixed - rb)
         last = min(pb, hi - fixed - ra)
@@ -679,12 +679,17 @@ def _seq_within(items: tuple, lo: int, hi: float, cuts: _Cuts) -> str | None:
                 )
                 k += 1
             if None not in pair:
-                alts.append(" ".join(p for p in pair if p))
+                alts.append(_join(*pair))
                 size += len(alts[-1])
                 if size > MAX_LENGTH_GRAMMAR:
                     raise _TooLarge
     body = _either_of(alts)
-    return None if body is None else " ".join(p for p in (_plain(("seq", head)), body) if p)
+    return None if body is None else _join(_plain(("seq", head)), body)
+
+
+def _join(*parts: str) -> str:
+    """GBNF for the parts in a row ("" is the empty string)."""
+    return " ".join(p for p in parts if p)
 
 
 def _either_of(alts: list[str | None]) -> str | None:
