@@ -24,7 +24,9 @@ llama-server's figure from the same run:
 - two replicas: 16 interleaved conversations under the prefix routing policy against least
   connections, and against what a user would run instead, two llama-servers (one thread
   each) behind nginx's least_conn (skipped, with a message, where nginx is not installed:
-  `apt-get install nginx-light`);
+  `apt-get install nginx-light`); at two paces: users pausing 0.2-1.5 s between turns
+  (busy: on two cores it saturates both one-thread replicas), and 4-10 s, the time it
+  takes to read a 32-token answer and type the next question (`prefix_routing_reading`);
 - LlamaFleet only: 20 streams over 2 replicas, one engine SIGKILLed mid-flight, in the
   default (throughput) mode and in the batch-invariant mode.
 
@@ -705,12 +707,23 @@ async def short_requests(targets: list[Target], rounds: int) -> dict:
     return out
 
 
+#: See READING.
+BUSY = (0.2, 1.5)
+
+
 async def conversation(
-    client, t: Target, session: str, first: str, turns: int, max_tokens: int, think=None
+    client,
+    t: Target,
+    session: str,
+    first: str,
+    turns: int,
+    max_tokens: int,
+    think=None,
+    pause: tuple[float, float] = BUSY,
 ) -> list[dict]:
     """A chat that resends its whole history each turn; one result per turn. think: a
-    random.Random whose draws pause the user between turns (0.2-1.5 s), so that the turns
-    of many conversations interleave as real users' do."""
+    random.Random whose draws pause the user between turns (seconds, uniform in pause), so
+    that the turns of many conversations interleave as real users' do."""
     messages = [{"role": "system", "content": system_prompt(session)}]
     out = []
     for k in range(turns):
@@ -719,7 +732,7 @@ async def conversation(
         messages.append({"role": "assistant", "content": res["text"]})
         out.append(res)
         if think is not None:
-            await asyncio.sleep(think.uniform(0.2, 1.5))
+            await asyncio.sleep(think.uniform(*pause))
     return out
 
 
@@ -854,18 +867,24 @@ def set_policy(deployment: str, policy: str) -> None:
 
 
 async def routing(
-    fleet: Target, key: str, deployment: str, rounds: int, pair: Target | None = None
+    fleet: Target,
+    key: str,
+    deployment: str,
+    rounds: int,
+    pair: Target | None = None,
+    pause: tuple[float, float] = BUSY,
 ) -> dict:
-    """16 conversations over two replicas, all at once, users pausing between turns, under
-    each policy in turn (the same pauses for all): with a system prompt of their own each
-    (16 applications), and with one shared by all. pair: two llama-servers behind a
-    least-connections proxy (LeastConnPair), what a user would run instead, asked the same.
+    """16 conversations over two replicas, all at once, users pausing between turns
+    (seconds, uniform in pause), under each policy in turn (the same pauses for all): with a
+    system prompt of their own each (16 applications), and with one shared by all. pair:
+    two llama-servers behind a least-connections proxy (LeastConnPair), what a user would
+    run instead, asked the same.
     Beside the medians it records what explains them: the prompt tokens each turn evaluated
     (not from the cache), TTFT quartiles, and the prefix policy's decisions (from the web
     process's metrics)."""
     api("POST", f"/api/v1/deployments/{deployment}/scale/", key, json={"replicas": 2})
     wait_replicas(key, 2, deployment)
-    out = {"rounds": rounds, "conversations": 16, "turns": 5, "replicas": 2}
+    out = {"rounds": rounds, "conversations": 16, "turns": 5, "replicas": 2, "pause_s": pause}
     arms = {"least_connections": fleet, "prefix": fleet}
     if pair is not None:
         arms[PAIR] = pair
@@ -900,6 +919,7 @@ async def routing(
                                 5,
                                 32,
                                 random.Random(f"{r}.{c}"),
+                                pause,
                             )
                             for c in range(16)
                         )
@@ -949,6 +969,11 @@ async def routing(
     return out
 
 
+#: Users' pauses between turns in the routing parts (seconds): a fixed pace that keeps the
+#: replicas busy (on two cores it saturates both one-thread engines, so a turn's wait is
+#: mostly the steps of 8 streams: load, not cache), and a reading pace, the time a user
+#: takes to read a 32-token answer and type the next question.
+READING = (4.0, 10.0)
 #: The routing part's third arm: LeastConnPair.
 PAIR = "llama_servers_least_conn"
 NO_NGINX = (
@@ -1129,22 +1154,32 @@ async def two_replicas(args, model_path: Path, catalog_name: str, only) -> dict:
     def show(name: str) -> None:
         print(json.dumps({name: result[name]}, indent=2), flush=True)
 
-    if only is None or "routing" in only:
-        if nginx_binary() is None:
-            print(NO_NGINX, flush=True)
-            result["prefix_routing"] = await routing(fleet, key, catalog_name, 2)
-        else:
-            proxy = LeastConnPair(model_path, MODELS_BY_CATALOG[catalog_name][1])
-            try:
-                pair = Target(PAIR, proxy.url, catalog_name)
-                result["prefix_routing"] = await routing(fleet, key, catalog_name, 2, pair)
-                result["prefix_routing"]["pair"] = (
+    paces = [
+        (name, pace)
+        for name, pace, part in (
+            ("prefix_routing", BUSY, "routing"),
+            ("prefix_routing_reading", READING, "routing_reading"),
+        )
+        if only is None or part in only
+    ]
+    if paces and nginx_binary() is None:
+        print(NO_NGINX, flush=True)
+        for name, pace in paces:
+            result[name] = await routing(fleet, key, catalog_name, 2, pause=pace)
+            show(name)
+    elif paces:
+        proxy = LeastConnPair(model_path, MODELS_BY_CATALOG[catalog_name][1])
+        try:
+            pair = Target(PAIR, proxy.url, catalog_name)
+            for name, pace in paces:
+                result[name] = await routing(fleet, key, catalog_name, 2, pair, pace)
+                result[name]["pair"] = (
                     f"two llama-servers -np {SLOTS} -c {SLOTS * CONTEXT} -t 1 behind nginx "
                     "least_conn"
                 )
-            finally:
-                proxy.stop()
-        show("prefix_routing")
+                show(name)
+        finally:
+            proxy.stop()
     if only is None or "failover" in only:
         api("POST", f"/api/v1/deployments/{catalog_name}/scale/", key, json={"replicas": 2})
         result["failover_throughput"] = await failover(fleet, key, catalog_name, args.tokens)
@@ -1187,17 +1222,20 @@ HEADLINES = {
     },
     "multi_turn_chat": {"later_turns_ttft_ratio": "ratio.later_turns_median_ttft_ms"},
     "many_conversations": {"later_turns_ttft_ratio": "ratio.later_turns_median_ttft_ms"},
-    "prefix_routing": {
-        f"{short}_{name}{suffix}": f"{workload}.prefix_over_{baseline}.{key}"
-        for suffix, baseline in (("", "least_connections"), ("_vs_llama_servers", PAIR))
-        for short, workload in (
-            ("distinct", "distinct_system_prompts"),
-            ("shared", "shared_system_prompt"),
-        )
-        for name, key in (
-            ("ttft_ratio", "later_turns_median_ttft_ms"),
-            ("tokens_per_s_ratio", "aggregate_tokens_per_s"),
-        )
+    **{
+        part: {
+            f"{short}_{name}{suffix}": f"{workload}.prefix_over_{baseline}.{key}"
+            for suffix, baseline in (("", "least_connections"), ("_vs_llama_servers", PAIR))
+            for short, workload in (
+                ("distinct", "distinct_system_prompts"),
+                ("shared", "shared_system_prompt"),
+            )
+            for name, key in (
+                ("ttft_ratio", "later_turns_median_ttft_ms"),
+                ("tokens_per_s_ratio", "aggregate_tokens_per_s"),
+            )
+        }
+        for part in ("prefix_routing", "prefix_routing_reading")
     },
     "failover_throughput": _FAILOVER,
     "failover_invariant": _FAILOVER,
@@ -1231,7 +1269,7 @@ def main() -> None:
         "--only",
         default="",
         help="single_stream,concurrent_8,short_requests,multi_turn_chat,many_conversations,"
-        "routing,failover",
+        "routing,routing_reading,failover",
     )
     parser.add_argument("--keep", action="store_true", help="leave the bench stack running")
     parser.add_argument(
@@ -1245,7 +1283,7 @@ def main() -> None:
     if args.node_core:
         if (os.cpu_count() or 1) < 2:
             parser.error("--node-core needs at least two cores")
-        if only is None or only & {"routing", "failover"}:
+        if only is None or only & {"routing", "routing_reading", "failover"}:
             parser.error("--node-core is for one replica: --only single_stream,concurrent_8")
         ENV["LLAMAFLEET_AGENT_THREADS"] = "1"
     result = {}
@@ -1259,7 +1297,7 @@ def main() -> None:
         }:
             model_path = start_stack(catalog_name)
             result.update(asyncio.run(compare(args, model_path, catalog_name, only)))
-        if only is None or only & {"routing", "failover"}:
+        if only is None or only & {"routing", "routing_reading", "failover"}:
             model_path = start_stack(catalog_name)
             result.update(asyncio.run(two_replicas(args, model_path, catalog_name, only)))
             result["two_replica_threads"] = "shared by the agent among busy engines"

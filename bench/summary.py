@@ -32,6 +32,8 @@ def within_ms(bound: float) -> tuple[str, object]:
 NO_TARGET = ("", None)
 ROUTING = "prefix_routing"
 EACH, SHARED = "routing, a system prompt each", "routing, one shared system prompt"
+#: The routing parts: users pausing 0.2-1.5 s between turns (busy), and 4-10 s
+#: ("prefix_routing_reading"; bench/serving.py's READING).
 
 #: (part, figure, what it is, target: its text and the test of one value)
 TARGETS = [
@@ -58,26 +60,32 @@ TARGETS = [
     ),
     ("multi_turn_chat", "later_turns_ttft_ratio", "6-turn chat, TTFT of turns 2-6", at_most(1.2)),
     ("many_conversations", "later_turns_ttft_ratio", "16 chats on 8 slots, TTFT", NO_TARGET),
-    (
-        ROUTING,
-        "distinct_ttft_ratio",
-        f"{EACH}: prefix / least connections, TTFT",
-        at_most(0.5),
-    ),
-    (ROUTING, "distinct_tokens_per_s_ratio", f"{EACH}: throughput", at_least(1.0)),
-    (ROUTING, "shared_ttft_ratio", f"{SHARED}: TTFT", at_most(0.5)),
-    (ROUTING, "shared_tokens_per_s_ratio", f"{SHARED}: throughput", at_least(1.0)),
-    (
-        ROUTING,
-        "distinct_ttft_ratio_vs_llama_servers",
-        f"{EACH}: prefix / two llama-servers behind nginx, TTFT",
-        NO_TARGET,
-    ),
-    (
-        ROUTING,
-        "shared_ttft_ratio_vs_llama_servers",
-        f"{SHARED}: prefix / the llama-server pair, TTFT",
-        NO_TARGET,
+    *(
+        row
+        for part, pace in ((ROUTING, ""), (f"{ROUTING}_reading", " at reading pace"))
+        for row in (
+            (
+                part,
+                "distinct_ttft_ratio",
+                f"{EACH}{pace}: prefix / least connections, TTFT",
+                at_most(0.5),
+            ),
+            (part, "distinct_tokens_per_s_ratio", f"{EACH}{pace}: throughput", at_least(1.0)),
+            (part, "shared_ttft_ratio", f"{SHARED}{pace}: TTFT", at_most(0.5)),
+            (part, "shared_tokens_per_s_ratio", f"{SHARED}{pace}: throughput", at_least(1.0)),
+            (
+                part,
+                "distinct_ttft_ratio_vs_llama_servers",
+                f"{EACH}{pace}: prefix / two llama-servers behind nginx, TTFT",
+                NO_TARGET,
+            ),
+            (
+                part,
+                "shared_ttft_ratio_vs_llama_servers",
+                f"{SHARED}{pace}: prefix / the llama-server pair, TTFT",
+                NO_TARGET,
+            ),
+        )
     ),
 ]
 

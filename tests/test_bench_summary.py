@@ -68,3 +68,26 @@ def test_a_figure_without_a_target_counts_its_rounds_and_meets_nothing():
     assert (short["rounds"], short["rounds_median"]) == (3, 1.05)
     [line] = [x for x in summary.markdown(list(rows.values())).splitlines() if "short" in x]
     assert line.endswith("| 1.05 to 1.05 (1.05); its 3 rounds: median 1.050 |  |  |")
+
+
+def test_the_two_routing_paces_are_counted_apart():
+    history = [
+        {
+            "measured_at": "2026-12-06T08:00:00Z",
+            "prefix_routing": {"distinct_ttft_ratio": 0.6, "shared_ttft_ratio": 0.7},
+            "prefix_routing_reading": {"distinct_ttft_ratio": 0.3, "shared_ttft_ratio": 0.55},
+        },
+        {
+            "measured_at": "2026-12-06T09:00:00Z",
+            "prefix_routing_reading": {"distinct_ttft_ratio": 0.4, "shared_ttft_ratio": 0.45},
+        },
+    ]
+    rows = {r["figure"]: r for r in summary.summarize(history)}
+    busy = rows["routing, a system prompt each: prefix / least connections, TTFT"]
+    reading = rows[
+        "routing, a system prompt each at reading pace: prefix / least connections, TTFT"
+    ]
+    assert (busy["runs"], busy["met"], busy["latest"]) == (1, 0, 0.6)
+    assert (reading["runs"], reading["met"], reading["latest"]) == (2, 2, 0.4)
+    shared = rows["routing, one shared system prompt at reading pace: TTFT"]
+    assert (shared["runs"], shared["met"], shared["median"]) == (2, 1, 0.5)
