@@ -707,8 +707,12 @@ async def short_requests(targets: list[Target], rounds: int) -> dict:
     return out
 
 
-#: See READING.
+#: Users' pauses between turns in the routing parts (seconds, drawn uniformly): a busy pace
+#: (on two cores it saturates both one-thread engines, so a turn's wait is mostly the steps
+#: of 8 streams: load, not cache), and a reading pace, the time a user takes to read a
+#: 32-token answer and type the next question.
 BUSY = (0.2, 1.5)
+READING = (4.0, 10.0)
 
 
 async def conversation(
@@ -969,11 +973,6 @@ async def routing(
     return out
 
 
-#: Users' pauses between turns in the routing parts (seconds): a fixed pace that keeps the
-#: replicas busy (on two cores it saturates both one-thread engines, so a turn's wait is
-#: mostly the steps of 8 streams: load, not cache), and a reading pace, the time a user
-#: takes to read a 32-token answer and type the next question.
-READING = (4.0, 10.0)
 #: The routing part's third arm: LeastConnPair.
 PAIR = "llama_servers_least_conn"
 NO_NGINX = (
@@ -1162,23 +1161,23 @@ async def two_replicas(args, model_path: Path, catalog_name: str, only) -> dict:
         )
         if only is None or part in only
     ]
+    proxy = None
     if paces and nginx_binary() is None:
         print(NO_NGINX, flush=True)
-        for name, pace in paces:
-            result[name] = await routing(fleet, key, catalog_name, 2, pause=pace)
-            show(name)
     elif paces:
         proxy = LeastConnPair(model_path, MODELS_BY_CATALOG[catalog_name][1])
-        try:
-            pair = Target(PAIR, proxy.url, catalog_name)
-            for name, pace in paces:
-                result[name] = await routing(fleet, key, catalog_name, 2, pair, pace)
+    try:
+        pair = Target(PAIR, proxy.url, catalog_name) if proxy else None
+        for name, pace in paces:
+            result[name] = await routing(fleet, key, catalog_name, 2, pair, pace)
+            if proxy:
                 result[name]["pair"] = (
                     f"two llama-servers -np {SLOTS} -c {SLOTS * CONTEXT} -t 1 behind nginx "
                     "least_conn"
                 )
-                show(name)
-        finally:
+            show(name)
+    finally:
+        if proxy:
             proxy.stop()
     if only is None or "failover" in only:
         api("POST", f"/api/v1/deployments/{catalog_name}/scale/", key, json={"replicas": 2})
