@@ -32,8 +32,6 @@ def within_ms(bound: float) -> tuple[str, object]:
 NO_TARGET = ("", None)
 ROUTING = "prefix_routing"
 EACH, SHARED = "routing, a system prompt each", "routing, one shared system prompt"
-#: The routing parts: users pausing 0.2-1.5 s between turns (busy), and 4-10 s
-#: ("prefix_routing_reading"; bench/serving.py's READING).
 
 #: (part, figure, what it is, target: its text and the test of one value)
 TARGETS = [
@@ -60,6 +58,8 @@ TARGETS = [
     ),
     ("multi_turn_chat", "later_turns_ttft_ratio", "6-turn chat, TTFT of turns 2-6", at_most(1.2)),
     ("many_conversations", "later_turns_ttft_ratio", "16 chats on 8 slots, TTFT", NO_TARGET),
+    # The routing parts at each pace: users pausing 0.2-1.5 s between turns (busy), and
+    # 4-10 s (bench/serving.py's READING).
     *(
         row
         for part, pace in ((ROUTING, ""), (f"{ROUTING}_reading", " at reading pace"))
