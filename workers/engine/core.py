@@ -209,6 +209,12 @@ class HostCache:
         self.bytes -= len(entry.data)
 
 
+def _least_valuable(slot: _Slot) -> tuple[bool, float]:
+    """Sort key of free slots, the one whose cache is worth least first: empty, else used
+    least recently."""
+    return len(slot.cached) > 0, slot.last_used
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the common prefix of two token lists (slices compared in C, halving the
     range: the host cache compares every new prompt with each of its entries)."""
@@ -359,6 +365,11 @@ class BatchEngine:
         #: off only to measure what that is worth (bench/engine_turns.py --prompt-first).
         self.prompt_first = True
         self._prompt_alone = False  # the last step was such a step
+        #: Slots a copy between KV streams reads from or writes to: llama.cpp copies the
+        #: data at the next decode, so until then a slot's data must not be overwritten
+        #: while a copy is to read it, nor read while a copy is to write it (_take_slot).
+        self._copy_from: set[int] = set()
+        self._copy_to: set[int] = set()
         self._cand = None  # candidate array for grammar sampling, made on first use
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._embed_ctx = None  # made at the first embedding request
@@ -680,7 +691,7 @@ class BatchEngine:
             sampling=dataclasses.replace(req.sampling, seed=seed),
         )
         free = [slot for slot in self.slots if not slot.busy]
-        slot, _, _ = self._claim(min(free, key=lambda s: (len(s.cached) > 0, s.last_used)), None, 0)
+        slot, _, _ = self._claim(min(free, key=_least_valuable), None, 0)
         self.active[sub.request_id] = _Sequence(
             req=sub,
             seq_id=slot.seq_id,
@@ -699,6 +710,8 @@ class BatchEngine:
         for seq in self.active.values():
             if seq.follows is first:
                 L.llama_memory_seq_cp(self.memory, first.seq_id, seq.seq_id, -1, -1)
+                self._copy_from.add(first.seq_id)
+                self._copy_to.add(seq.seq_id)
                 seq.n_past, seq.follows = first.n_past, None
                 seq.batch_index = first.batch_index
 
@@ -716,16 +729,24 @@ class BatchEngine:
         conversation stays where its history is. A host-RAM entry that shares more than
         every free slot is restored into that least valuable slot instead. At least the last
         token is evaluated again: its logits give the first new token.
+
+        A restore writes the slot's data at once, while a copy between KV streams moves
+        data at the next decode: a restore into the source of a copy made for another
+        request in the same step gave that request the restored conversation's KV under
+        its own prompt (its answer went on with the other user's conversation). A restore
+        goes only into a slot no pending copy touches, else the prompt is read instead.
         """
-        dst = min(free, key=lambda s: (len(s.cached) > 0, s.last_used))
+        dst = min(free, key=_least_valuable)
         if self.invariant or not reuse:
             return self._claim(dst, None, 0)
         shared = {id(s): common_prefix(s.cached, tokens) for s in free}
         src = max(free, key=lambda s: (shared[id(s)], -s.last_used))
         n = min(shared[id(src)], len(tokens) - 1)
         entry, n_host = self.host.best(tokens[:-1], n, self.n_swa)
-        if entry is not None:
-            return self._claim(dst, None, n_host, entry)
+        copying = self._copy_from | self._copy_to
+        spare = [s for s in free if s.seq_id not in copying]
+        if entry is not None and spare:
+            return self._claim(min(spare, key=_least_valuable), None, n_host, entry)
         if not n:
             return self._claim(dst, None, 0)
         if dst is src or len(src.cached) - n <= len(dst.cached):
@@ -746,6 +767,8 @@ class BatchEngine:
             # the tail beyond the shared prefix is cut after.
             L.llama_memory_seq_rm(mem, seq, -1, -1)
             L.llama_memory_seq_cp(mem, src.seq_id, seq, -1, -1)
+            self._copy_from.add(src.seq_id)
+            self._copy_to.add(seq)
         elif entry is not None:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
             size = entry.size
@@ -769,6 +792,7 @@ class BatchEngine:
         tokens = slot.cached
         if (
             not self.host.limit
+            or slot.seq_id in self._copy_to  # its data comes at the next decode
             or len(tokens) - keep < HOST_CACHE_MIN_TOKENS
             or self.host.holds(tokens)
         ):
@@ -994,6 +1018,8 @@ class BatchEngine:
         # Each slot's stream holds at most its own context (a reused slot's tail is cut
         # first), so a prompt cache never takes room a running sequence needs.
         rc = L.llama_decode(self.ctx, self.batch)
+        self._copy_from.clear()  # the decode made the pending copies first
+        self._copy_to.clear()
         if rc != 0:
             # Fail what is running rather than the whole engine.
             events.extend(
