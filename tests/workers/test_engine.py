@@ -929,6 +929,22 @@ def test_a_json_string_refuses_raw_control_characters(engine):
     assert not grammar_takes(engine, schema, '{"a": "x\t')
 
 
+def test_a_character_beyond_u_ffff_written_as_two_escapes_is_one_character(engine):
+    """JSON may write a character beyond U+FFFF as itself or as a pair of \\u escapes;
+    minLength and maxLength count it once either way, as JSON Schema counts characters
+    (llama.cpp's string character took the pair for two), and the escape of a lone
+    surrogate, which decodes to no character, is refused."""
+    pair = '"\\ud83d\\ude00"'  # the JSON text "\ud83d\ude00": one emoji
+    assert grammar_takes(engine, {"type": "string", "maxLength": 1}, pair, whole=True)
+    assert grammar_takes(engine, {"type": "string", "maxLength": 1}, '"\U0001f600"', whole=True)
+    assert not grammar_takes(engine, {"type": "string", "maxLength": 1}, '"ab"', whole=True)
+    assert not grammar_takes(engine, {"type": "string", "minLength": 2}, pair, whole=True)
+    longer = '"\\ud83d\\ude00\\u00e9"'
+    assert grammar_takes(engine, {"type": "string", "minLength": 2}, longer, whole=True)
+    for lone in ['"\\ud83d"', '"\\ude00"', '"\\ud83dx"']:
+        assert not grammar_takes(engine, {"type": "string"}, lone, whole=True), lone
+
+
 def test_additional_properties_cannot_repeat_a_declared_one(engine):
     """With additionalProperties, an extra key may be anything but a declared name: else
     the model could write a declared property twice, the second time with a value its own

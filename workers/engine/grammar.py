@@ -23,9 +23,14 @@ from workers.engine.errors import EngineError
 #: and DEL, which llama.cpp's converter escapes too.
 _ESCAPED_ONLY = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F))
 #: A JSON string's character in GBNF, as llama.cpp's converter writes it: any but those raw,
-#: or an escape sequence.
+#: or an escape sequence; unlike llama.cpp's, a character beyond U+FFFF written as a pair of
+#: \u escapes is one character (minLength and maxLength count it once, as JSON Schema
+#: does), and a lone surrogate's escape, which decodes to no character, is refused.
 _NOT_RAW = r'"\\\x7F\x00-\x1F'
-_ESCAPED = r'"\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
+_ESCAPED = (
+    r'"\\" (["\\/bfnrt] | "u" ([0-9a-cA-Ce-fE-F] [0-9a-fA-F]{3} | [dD] [0-7] [0-9a-fA-F]{2}'
+    r' | [dD] [89abAB] [0-9a-fA-F]{2} "\\u" [dD] [c-fC-F] [0-9a-fA-F]{2}))'
+)
 
 
 @functools.lru_cache(maxsize=64)
