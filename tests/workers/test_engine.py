@@ -613,8 +613,8 @@ def test_a_restore_in_the_same_step_leaves_a_copied_prefix_alone(smollm2_path):
         assert done["A"].usage["cached_tokens"] == common_prefix(a, s) > 100  # copied
         assert done["B"].usage["host_cached_tokens"] == len(b) - 1  # restored
         # Greedy text from a cached prefix may drift from the solo run's after a while (a
-        # prefix read in another batch differs in its last bits); with B's KV it was about
-        # trains from the second word on.
+        # prefix read in another batch differs in its last bits); with B's KV it differed
+        # from the second word on.
         assert texts["A"].split()[:6] == alone["alone"].split()[:6]
         assert "train" not in texts["A"].lower()
     finally:
