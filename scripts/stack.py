@@ -11,6 +11,7 @@ LLAMAFLEET_SUPERVISE=0) starts again any of them that exits without `down` or `s
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import secrets
@@ -53,28 +54,41 @@ class Stack:
     # ---- configuration -------------------------------------------------------------
 
     def _environment(self) -> dict[str, str]:
-        """Process environment: the caller's, plus secrets kept in var/env."""
-        saved = {}
+        """Process environment: the caller's, plus secrets kept in var/env.
+
+        Every command of the stack (the supervisor, `manage.py` through it, the bench) reads
+        the file, so it is read and written under a lock, rewritten only when a secret is
+        new or set from the environment, and replaced whole: a reader that found it
+        truncated by another process's rewrite made new secrets and saved them, and the
+        running stack's API key stopped matching the file's (seen: the bench's 401)."""
         env_file = self.var / "env"
-        if env_file.exists():
-            for line in env_file.read_text().splitlines():
-                key, _, value = line.partition("=")
-                if key:
-                    saved[key] = value
-        for key, make in (
-            ("LLAMAFLEET_SECRET_KEY", lambda: secrets.token_urlsafe(48)),
-            ("LLAMAFLEET_NODE_TOKEN", lambda: secrets.token_urlsafe(32)),
-            ("LLAMAFLEET_METRICS_TOKEN", lambda: secrets.token_urlsafe(32)),
-            ("LLAMAFLEET_BOOTSTRAP_KEY", lambda: "lf-" + secrets.token_urlsafe(32)),
-        ):
-            if os.environ.get(key):
-                saved[key] = os.environ[key]
-            saved.setdefault(key, make())
-        # Created 0600 from the start: no moment where another user could read the secrets.
-        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(f"{k}={v}\n" for k, v in sorted(saved.items())))
+        with open(self.var / "env.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            saved = {}
+            if env_file.exists():
+                for line in env_file.read_text().splitlines():
+                    key, _, value = line.partition("=")
+                    if key:
+                        saved[key] = value
+            before = dict(saved)
+            for key, make in (
+                ("LLAMAFLEET_SECRET_KEY", lambda: secrets.token_urlsafe(48)),
+                ("LLAMAFLEET_NODE_TOKEN", lambda: secrets.token_urlsafe(32)),
+                ("LLAMAFLEET_METRICS_TOKEN", lambda: secrets.token_urlsafe(32)),
+                ("LLAMAFLEET_BOOTSTRAP_KEY", lambda: "lf-" + secrets.token_urlsafe(32)),
+            ):
+                if os.environ.get(key):
+                    saved[key] = os.environ[key]
+                saved.setdefault(key, make())
+            if saved != before:
+                # Created 0600 from the start: no moment where another user could read the
+                # secrets; renamed over the old file, so no reader sees it half written.
+                part = env_file.with_name("env.part")
+                fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.fchmod(fd, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write("".join(f"{k}={v}\n" for k, v in sorted(saved.items())))
+                os.replace(part, env_file)
         env = dict(os.environ) | saved | self._local_pki()
         env.setdefault("LLAMAFLEET_VAR_DIR", str(self.var))
         env.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0")

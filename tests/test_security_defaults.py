@@ -7,6 +7,7 @@ import logging
 import os
 import stat
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,30 @@ def test_the_secrets_file_is_created_private(tmp_path):
     env = tmp_path / "env"
     assert stat.S_IMODE(env.stat().st_mode) == 0o600
     assert "LLAMAFLEET_METRICS_TOKEN=" in env.read_text()
+
+
+def _read_key_repeatedly(var: str, n: int) -> set[str]:
+    """In another process: n stack commands starting, each reading the secrets file."""
+    stack = stack_module()
+    return {stack.Stack(Path(var), 8000, 50051).env["LLAMAFLEET_BOOTSTRAP_KEY"] for _ in range(n)}
+
+
+def test_the_secrets_stay_what_they_are_while_commands_start_together(tmp_path, monkeypatch):
+    """Every stack command reads the secrets file; one that read it while another rewrote it
+    found it empty, made new secrets and saved them, and the running stack's API key no
+    longer matched the file's (the bench got 401s). The file is now written only when a
+    secret is new, under a lock, and replaced whole."""
+    import multiprocessing
+
+    for key in ("SECRET_KEY", "NODE_TOKEN", "METRICS_TOKEN", "BOOTSTRAP_KEY"):
+        monkeypatch.delenv(f"LLAMAFLEET_{key}", raising=False)
+    stack = stack_module()
+    first = stack.Stack(tmp_path, 8000, 50051).env["LLAMAFLEET_BOOTSTRAP_KEY"]
+    env = tmp_path / "env"
+    written = env.stat()
+    stack.Stack(tmp_path, 8000, 50051)
+    assert (env.stat().st_ino, env.stat().st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        seen = set().union(*pool.starmap(_read_key_repeatedly, [(str(tmp_path), 150)] * 4))
+    assert seen == {first}
+    assert stack.Stack(tmp_path, 8000, 50051).env["LLAMAFLEET_BOOTSTRAP_KEY"] == first
