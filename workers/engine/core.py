@@ -709,9 +709,7 @@ class BatchEngine:
         choices that wait for it (llama.cpp copies the KV stream at the next decode)."""
         for seq in self.active.values():
             if seq.follows is first:
-                L.llama_memory_seq_cp(self.memory, first.seq_id, seq.seq_id, -1, -1)
-                self._copy_from.add(first.seq_id)
-                self._copy_to.add(seq.seq_id)
+                self._copy_stream(first.seq_id, seq.seq_id)
                 seq.n_past, seq.follows = first.n_past, None
                 seq.batch_index = first.batch_index
 
@@ -743,10 +741,11 @@ class BatchEngine:
         src = max(free, key=lambda s: (shared[id(s)], -s.last_used))
         n = min(shared[id(src)], len(tokens) - 1)
         entry, n_host = self.host.best(tokens[:-1], n, self.n_swa)
-        copying = self._copy_from | self._copy_to
-        spare = [s for s in free if s.seq_id not in copying]
-        if entry is not None and spare:
-            return self._claim(min(spare, key=_least_valuable), None, n_host, entry)
+        if entry is not None:
+            copying = self._copy_from | self._copy_to
+            spare = [s for s in free if s.seq_id not in copying]
+            if spare:
+                return self._claim(min(spare, key=_least_valuable), None, n_host, entry)
         if not n:
             return self._claim(dst, None, 0)
         if dst is src or len(src.cached) - n <= len(dst.cached):
@@ -766,9 +765,7 @@ class BatchEngine:
             # Across KV streams llama.cpp copies whole streams only (at the next decode);
             # the tail beyond the shared prefix is cut after.
             L.llama_memory_seq_rm(mem, seq, -1, -1)
-            L.llama_memory_seq_cp(mem, src.seq_id, seq, -1, -1)
-            self._copy_from.add(src.seq_id)
-            self._copy_to.add(seq)
+            self._copy_stream(src.seq_id, seq)
         elif entry is not None:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
             size = entry.size
@@ -785,6 +782,13 @@ class BatchEngine:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
         slot.cached = []
         return slot, reused, entry is not None and reused > 0
+
+    def _copy_stream(self, src: int, dst: int) -> None:
+        """Copy slot src's KV into slot dst (llama.cpp does it at the next decode), noting
+        both until then: every copy between slots goes through here."""
+        L.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        self._copy_from.add(src)
+        self._copy_to.add(dst)
 
     def _save(self, slot: _Slot, keep: int) -> None:
         """Copy the slot's cached sequence to host RAM when a new request keeps only `keep`
