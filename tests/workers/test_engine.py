@@ -651,6 +651,41 @@ def test_a_sliding_window_entry_serves_only_prompts_that_reach_its_end(gemma_pat
         e.close()
 
 
+def test_a_slot_holding_only_a_window_is_not_reused_for_its_first_tokens(gemma_path):
+    """A sequence restored from host RAM holds only its last window in the sliding-window
+    layers. A new prompt sharing just the template's opening with it (4 tokens) cut it
+    there, which left those layers no cell at all, and the check let it pass: the prompt
+    was read without its start, and gemma's first token was an end of generation (the
+    empty answers of the bench's failover). It is read whole now, as when run alone."""
+
+    def turn(text):
+        markup = f"<bos><start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
+        return e.tokenize(markup, add_bos=False, special=True)
+
+    e = BatchEngine(str(gemma_path), context_length=1024, parallel=1, threads=2)
+    try:
+        question = turn("Why is the sky blue?")
+        alone, _, _ = run(e, [Request("alone", question, 16, GREEDY, cache_prompt=False)])
+    finally:
+        e.close()
+    e = BatchEngine(str(gemma_path), context_length=1024, parallel=1, threads=2)
+    try:
+        a, b = turn("Notes on owls. " * 160), turn("Notes on trains. " * 160)
+        assert common_prefix(a, question) == 4 and len(a) > e.n_swa + 100
+        run(e, [Request("a", a, 4, GREEDY)])
+        run(e, [Request("b", b, 4, GREEDY)])  # a goes to host RAM
+        (saved,) = [x.tokens for x in e.host.entries]
+        follow_up = saved + e.tokenize(" And owls at night?", add_bos=False, special=False)
+        _, done, _ = run(e, [Request("a2", follow_up, 4, GREEDY)])
+        assert done["a2"].usage["host_cached_tokens"] == len(saved)  # only its window came back
+        texts, done, errors = run(e, [Request("q", question, 16, GREEDY)])
+        assert not errors and done["q"].usage["completion_tokens"] == 16
+        assert done["q"].usage["cached_tokens"] == 0
+        assert texts["q"] == alone["alone"]
+    finally:
+        e.close()
+
+
 def test_the_host_cache_drops_the_oldest_and_what_a_newer_entry_contains():
     import ctypes
 

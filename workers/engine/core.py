@@ -776,7 +776,13 @@ class BatchEngine:
             reused = 0
         if reused and self.n_swa > 0:
             # llama-server's check: the window before the reused end must still be there.
-            if L.llama_memory_seq_pos_min(mem, seq) > max(0, reused - self.n_swa):
+            # It reads the sliding-window layers' cells, and this one runs after the cut: a
+            # slot that holds only a long sequence's last window (restored from host RAM)
+            # cut at the template's opening keeps no cell at all (-1), and those layers
+            # would read the prompt without its start (gemma's first token was then an end
+            # of generation: an empty answer).
+            low = L.llama_memory_seq_pos_min(mem, seq)
+            if low < 0 or low > max(0, reused - self.n_swa):
                 reused = 0
         if not reused:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
