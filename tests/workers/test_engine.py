@@ -686,6 +686,41 @@ def test_a_slot_holding_only_a_window_is_not_reused_for_its_first_tokens(gemma_p
         e.close()
 
 
+def test_a_shared_prefix_comes_from_a_slot_that_still_holds_its_window(gemma_path):
+    """Two free slots share a system prompt with a new request: the one used least recently
+    holds a conversation restored from host RAM, so only its last window; the other holds
+    all of its own. The prompt must come from the second (llama-server's check before the
+    cut): from the first it was read without its start (the answer began "You are the
+    responsible for the model" instead of the solo run's text)."""
+
+    def turn(text):
+        markup = f"<bos><start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
+        return e.tokenize(markup, add_bos=False, special=True)
+
+    system = "You are the careful reading assistant of the city library. " * 8
+    e = BatchEngine(str(gemma_path), context_length=1024, parallel=2, threads=2)
+    try:
+        question = turn(system + " Why is the sky blue?")
+        alone, _, _ = run(e, [Request("alone", question, 16, GREEDY, cache_prompt=False)])
+    finally:
+        e.close()
+    e = BatchEngine(str(gemma_path), context_length=1024, parallel=2, threads=2)
+    try:
+        a, b, c = (turn(system + f" Notes on {t}. " * 140) for t in ("owls", "trains", "ships"))
+        for rid, prompt in [("a", a), ("b", b), ("c", c)]:  # c pushes a out to host RAM
+            run(e, [Request(rid, prompt, 4, GREEDY)])
+        (saved,) = [x.tokens for x in e.host.entries if x.tokens[: len(a)] == a]
+        follow_up = saved + e.tokenize(" And owls at night?", add_bos=False, special=False)
+        _, done, _ = run(e, [Request("a2", follow_up, 4, GREEDY)])
+        assert done["a2"].usage["host_cached_tokens"] == len(saved)  # into b's slot
+        run(e, [Request("c2", c, 4, GREEDY)])  # a2's slot is now the one used least recently
+        texts, done, errors = run(e, [Request("q", question, 16, GREEDY)])
+        assert not errors and done["q"].usage["cached_tokens"] == common_prefix(question, c)
+        assert texts["q"] == alone["alone"]
+    finally:
+        e.close()
+
+
 def test_the_host_cache_drops_the_oldest_and_what_a_newer_entry_contains():
     import ctypes
 

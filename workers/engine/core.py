@@ -738,6 +738,9 @@ class BatchEngine:
         if self.invariant or not reuse:
             return self._claim(dst, None, 0)
         shared = {id(s): common_prefix(s.cached, tokens) for s in free}
+        for s in free:
+            if not self._window_holds(s.seq_id, min(shared[id(s)], len(tokens) - 1)):
+                shared[id(s)] = 0
         src = max(free, key=lambda s: (shared[id(s)], -s.last_used))
         n = min(shared[id(src)], len(tokens) - 1)
         entry, n_host = self.host.best(tokens[:-1], n, self.n_swa)
@@ -774,20 +777,25 @@ class BatchEngine:
             self.host.take(entry)
         if reused and not L.llama_memory_seq_rm(mem, seq, reused, -1):
             reused = 0
-        if reused and self.n_swa > 0:
-            # llama-server's check: the window before the reused end must still be there.
-            # It reads the sliding-window layers' cells, and this one runs after the cut: a
-            # slot that holds only a long sequence's last window (restored from host RAM)
-            # cut at the template's opening keeps no cell at all (-1), and those layers
-            # would read the prompt without its start (gemma's first token was then an end
-            # of generation: an empty answer).
-            low = L.llama_memory_seq_pos_min(mem, seq)
-            if low < 0 or low > max(0, reused - self.n_swa):
-                reused = 0
+        if reused and not self._window_holds(seq, reused):
+            reused = 0  # what was copied or restored lacks the window (_window_holds)
         if not reused:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
         slot.cached = []
         return slot, reused, entry is not None and reused > 0
+
+    def _window_holds(self, seq_id: int, n: int) -> bool:
+        """Whether a slot's sliding-window cells still hold the window before position n,
+        so that its first n tokens can be reused (always true without a sliding window):
+        llama-server's check. A conversation restored from host RAM keeps only its last
+        window there, and cut to its first few tokens it keeps no cell at all (-1): those
+        layers would read a new prompt without its start (gemma then answered a story
+        with an end of generation, an empty message). Made before a slot is chosen, and
+        after a copy or restore in case what arrived lacks the window."""
+        if self.n_swa <= 0 or n <= 0:
+            return True
+        low = L.llama_memory_seq_pos_min(self.memory, seq_id)
+        return 0 <= low <= max(0, n - self.n_swa)
 
     def _copy_stream(self, src: int, dst: int) -> None:
         """Copy slot src's KV into slot dst (llama.cpp does it at the next decode), noting
