@@ -726,7 +726,8 @@ class BatchEngine:
         prompt is reused without evicting another conversation, and the next turn of a
         conversation stays where its history is. A host-RAM entry that shares more than
         every free slot is restored into that least valuable slot instead. At least the last
-        token is evaluated again: its logits give the first new token.
+        token is evaluated again: its logits give the first new token. In a sliding-window
+        model a slot offers only a prefix whose window it still holds (_window_holds).
 
         A restore writes the slot's data at once, while a copy between KV streams moves
         data at the next decode: a restore into the source of a copy made for another
