@@ -35,11 +35,12 @@ def free_slots(engine) -> int:
     return sum(not slot.busy for slot in engine.slots)
 
 
-def chat_tokens(engine, messages=CHAT):
+def chat_tokens(engine, messages=CHAT, template=None):
+    """The prompt's tokens under the file's chat template, or `template`."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     fmt = Jinja2ChatFormatter(
-        template=engine.meta("tokenizer.chat_template"),
+        template=template or engine.meta("tokenizer.chat_template"),
         eos_token=engine.eos_text(),
         bos_token=engine.bos_text(),
     )
@@ -69,6 +70,14 @@ def run(engine, requests, cancel_after=None, collect_logprobs=False):
     if collect_logprobs:
         return texts, done, errors, {k: logprobs.get(k, []) for k in done}
     return texts, done, errors
+
+
+def gemma_turn(engine, text):
+    """One user turn in the chat template the stack gives gemma (the catalog's: its file
+    has none)."""
+    from apps.catalog.sources import GEMMA_CHAT_TEMPLATE
+
+    return chat_tokens(engine, [{"role": "user", "content": text}], GEMMA_CHAT_TEMPLATE)
 
 
 GREEDY = Sampling(temperature=0)
@@ -658,19 +667,15 @@ def test_a_slot_holding_only_a_window_is_not_reused_for_its_first_tokens(gemma_p
     was read without its start, and gemma's first token was an end of generation (the
     empty answers of the bench's failover). It is read whole now, as when run alone."""
 
-    def turn(text):
-        markup = f"<bos><start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
-        return e.tokenize(markup, add_bos=False, special=True)
-
     e = BatchEngine(str(gemma_path), context_length=1024, parallel=1, threads=2)
     try:
-        question = turn("Why is the sky blue?")
+        question = gemma_turn(e, "Why is the sky blue?")
         alone, _, _ = run(e, [Request("alone", question, 16, GREEDY, cache_prompt=False)])
     finally:
         e.close()
     e = BatchEngine(str(gemma_path), context_length=1024, parallel=1, threads=2)
     try:
-        a, b = turn("Notes on owls. " * 160), turn("Notes on trains. " * 160)
+        a, b = gemma_turn(e, "Notes on owls. " * 160), gemma_turn(e, "Notes on trains. " * 160)
         assert common_prefix(a, question) == 4 and len(a) > e.n_swa + 100
         run(e, [Request("a", a, 4, GREEDY)])
         run(e, [Request("b", b, 4, GREEDY)])  # a goes to host RAM
@@ -693,20 +698,18 @@ def test_a_shared_prefix_comes_from_a_slot_that_still_holds_its_window(gemma_pat
     cut): from the first it was read without its start (the answer began "You are the
     responsible for the model" instead of the solo run's text)."""
 
-    def turn(text):
-        markup = f"<bos><start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
-        return e.tokenize(markup, add_bos=False, special=True)
-
     system = "You are the careful reading assistant of the city library. " * 8
     e = BatchEngine(str(gemma_path), context_length=1024, parallel=2, threads=2)
     try:
-        question = turn(system + " Why is the sky blue?")
+        question = gemma_turn(e, system + " Why is the sky blue?")
         alone, _, _ = run(e, [Request("alone", question, 16, GREEDY, cache_prompt=False)])
     finally:
         e.close()
     e = BatchEngine(str(gemma_path), context_length=1024, parallel=2, threads=2)
     try:
-        a, b, c = (turn(system + f" Notes on {t}. " * 140) for t in ("owls", "trains", "ships"))
+        a, b, c = (
+            gemma_turn(e, system + f" Notes on {t}. " * 140) for t in ("owls", "trains", "ships")
+        )
         for rid, prompt in [("a", a), ("b", b), ("c", c)]:  # c pushes a out to host RAM
             run(e, [Request(rid, prompt, 4, GREEDY)])
         (saved,) = [x.tokens for x in e.host.entries if x.tokens[: len(a)] == a]
