@@ -332,6 +332,21 @@ def test_a_conversation_pushed_out_of_the_slots_is_restored_from_host_ram(agent,
     assert available() == 8 * gib
 
 
+def test_an_idle_engine_copies_finished_conversations_to_host_ram(agent, stub):
+    """Between requests the engine copies a finished conversation to host RAM before any
+    request needs its slot (save_ahead): with a slot still free, nothing was pushed out,
+    and the host cache holds a copy all the same."""
+    load(stub, parallel=2, context_length=1024)
+    list(stub.RunInference(chat(messages=OWLS, max_tokens=8), metadata=AUTH))
+    time.sleep(0.5)  # idle (over SAVE_AHEAD_AFTER): the engine copies OWLS's slot meanwhile
+    list(stub.RunInference(chat(messages=TRAINS, max_tokens=8), metadata=AUTH))
+    metrics = agent.agent.service.metrics.registry
+    labels = {"replica": "r1", "model": "smollm2"}
+    assert metrics.get_sample_value("llamafleet_agent_prompt_cache_host_bytes", labels) > 0
+    assert not metrics.get_sample_value("llamafleet_agent_prompt_cache_host_hits_total", labels)
+    stub.FreeMemory(pb.FreeMemoryRequest(replica_id="r1"), metadata=AUTH)
+
+
 def test_the_agents_flash_attention_setting_reaches_its_engines(agent, stub, monkeypatch):
     """--flash-attn off (a CPU node serving chats with long histories) loads whole replicas
     with it off; the engine process reports what it asked llama.cpp for."""

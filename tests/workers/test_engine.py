@@ -592,6 +592,44 @@ def test_a_prefix_pushed_out_of_its_slot_comes_back_from_host_ram(smollm2_path):
             e.close()
 
 
+def test_an_idle_engine_copies_a_slot_to_host_ram_before_a_request_needs_it(
+    smollm2_path, monkeypatch
+):
+    """save_ahead copies a finished conversation to host RAM while nothing runs, once, so
+    the request that later pushes it out of its slot makes no copy on its way to its first
+    token, and the conversation still comes back from host RAM. Nothing is copied while a
+    request waits or runs, nor a sequence over SAVE_AHEAD_BYTES (its slot's next request
+    copies it, as before)."""
+    from workers.engine import core
+
+    e = BatchEngine(
+        str(smollm2_path), context_length=1024, parallel=1, threads=2, host_cache_bytes=64 << 20
+    )
+    try:
+        a, b = chat_tokens(e, OWLS), chat_tokens(e, TRAINS)
+        run(e, [Request("a1", a, 8, GREEDY)])
+        e.submit(Request("b1", b, 8, GREEDY))
+        assert not e.save_ahead() and not e.host.entries  # b1 waits: nothing copied
+        run(e, [])
+        assert e.save_ahead()  # b1's history; a's left for host RAM when b1 took the slot
+        assert not e.save_ahead()  # once
+        assert [x.tokens[: len(b)] for x in e.host.entries] == [a[: len(b)], b]
+        saved_b = e.host.entries[1]
+        _, da, _ = run(e, [Request("a2", a, 8, GREEDY)])
+        assert da["a2"].usage["host_cached_tokens"] == len(a) - 1
+        assert saved_b in e.host.entries  # a2 pushed b out: the copy made ahead, not another
+        assert len(e.host.entries) == 1
+
+        monkeypatch.setattr(core, "SAVE_AHEAD_BYTES", 1)
+        assert e.save_ahead() and not e.save_ahead()
+        assert len(e.host.entries) == 1  # a2's history is over the bound: not copied ahead
+        _, db, _ = run(e, [Request("b2", b, 8, GREEDY)])
+        assert db["b2"].usage["host_cached_tokens"] == len(b) - 1
+        assert [x.tokens[: len(a)] for x in e.host.entries] == [a]  # copied when b2 came
+    finally:
+        e.close()
+
+
 def test_a_restore_in_the_same_step_leaves_a_copied_prefix_alone(smollm2_path):
     """Two requests admitted together: A copies a shared system prompt from slot S into
     another slot (llama.cpp moves the data at the next decode), and B's history comes back

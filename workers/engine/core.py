@@ -57,6 +57,10 @@ PENALTY_LAST_N = 64
 HOST_CACHE_BYTES = PROMPT_CACHE_MIB << 20  # the agent's --prompt-cache-mib sets it
 #: Fewest tokens a prefix must have to be worth a copy in host RAM.
 HOST_CACHE_MIN_TOKENS = 32
+#: Largest copy made ahead of need (save_ahead): a request arriving during one waits for
+#: it, and 64 MiB took about 40 ms here. A larger sequence is copied when a request takes
+#: its slot, as before.
+SAVE_AHEAD_BYTES = 64 << 20
 #: Flash attention settings (the agent's --flash-attn), as llama-server's -fa takes them.
 FLASH_ATTN_AUTO, FLASH_ATTN_ON, FLASH_ATTN_OFF = FLASH_ATTN_MODES
 
@@ -122,6 +126,7 @@ class _Slot:
     cached: list[int] = field(default_factory=list)
     last_used: float = 0.0
     busy: bool = False
+    saved: bool = False  # `cached` was copied to host RAM ahead of need (save_ahead)
 
 
 @dataclass
@@ -782,7 +787,7 @@ class BatchEngine:
             reused = 0  # what was copied or restored lacks the window (_window_holds)
         if not reused:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
-        slot.cached = []
+        slot.cached, slot.saved = [], False
         return slot, reused, entry is not None and reused > 0
 
     def _window_holds(self, seq_id: int, n: int) -> bool:
@@ -805,9 +810,28 @@ class BatchEngine:
         self._copy_from.add(src)
         self._copy_to.add(dst)
 
-    def _save(self, slot: _Slot, keep: int) -> None:
+    def save_ahead(self) -> bool:
+        """While nothing runs, copy one free slot's sequence to host RAM before a request
+        takes the slot: a request that then throws it away finds the copy made and gets its
+        first token without waiting for it (llama-server copies when the request comes; a
+        4 MB sequence took 2-3 ms here, mostly fresh pages). The slot a new prompt would
+        take first goes first. True when it copied one (call again while still idle); False
+        once there is nothing left worth copying. A slot whose conversation continues in
+        place leaves its copy behind until a longer copy of it replaces it (HostCache.add),
+        so at most one such copy per slot is held."""
+        if not self.host.limit or not self.idle():
+            return False
+        for slot in sorted(self.slots, key=_least_valuable):
+            if not slot.saved:
+                slot.saved = True
+                self._save(slot, 0, SAVE_AHEAD_BYTES)  # unless short, held, or mid-copy
+                return True
+        return False
+
+    def _save(self, slot: _Slot, keep: int, most: int = 0) -> None:
         """Copy the slot's cached sequence to host RAM when a new request keeps only `keep`
-        of its tokens and would lose at least HOST_CACHE_MIN_TOKENS."""
+        of its tokens and would lose at least HOST_CACHE_MIN_TOKENS (and, given `most`, the
+        copy is at most that many bytes)."""
         tokens = slot.cached
         if (
             not self.host.limit
@@ -817,7 +841,7 @@ class BatchEngine:
         ):
             return
         size = L.llama_state_seq_get_size(self.ctx, slot.seq_id)
-        if not size or size > self.host.limit:
+        if not size or size > min(self.host.limit, most or self.host.limit):
             return
         data = self.host.buffer(size)
         if L.llama_state_seq_get_data(self.ctx, data, size, slot.seq_id) == size:
@@ -1132,6 +1156,7 @@ class BatchEngine:
         slot = self.slots[seq.seq_id]
         slot.busy = False
         slot.last_used = time.monotonic()
+        slot.saved = False
         if keep_cache and not self.invariant:
             slot.cached = (seq.prefill + seq.sampled)[: seq.n_past]
         else:

@@ -74,6 +74,11 @@ class EngineConfig:
 
 # ---- child side ----------------------------------------------------------------------
 
+#: Idle seconds before the engine copies finished conversations to host RAM (save_ahead):
+#: a request sent right after another's end (the next step of a tool-calling loop, a
+#: benchmark's next turn) mostly continues in its slot and must not wait for a copy.
+SAVE_AHEAD_AFTER = 0.1
+
 
 def _quiet_llama_logs() -> None:
     """Keep llama.cpp's warnings and errors on stderr, drop its chatter."""
@@ -267,6 +272,11 @@ def child_main(conn, config: EngineConfig) -> None:
     while running:
         # Block while idle; between decode steps only look at what is already there.
         timeout = None if engine.idle() else 0
+        if timeout is None and not conn.poll(SAVE_AHEAD_AFTER):
+            # Idle a while: copy slots to host RAM ahead of need, one at a time while
+            # nothing arrives (a follow-up sent at once never waits for such a copy).
+            while not conn.poll(0) and engine.save_ahead():
+                pass
         while conn.poll(timeout):
             running = _handle(conn.recv(), engine, formatter, conn, out)
             if not running:
