@@ -126,7 +126,7 @@ class _Slot:
     cached: list[int] = field(default_factory=list)
     last_used: float = 0.0
     busy: bool = False
-    saved: bool = False  # `cached` was copied to host RAM ahead of need (save_ahead)
+    saved: bool = False  # save_ahead has taken `cached` in hand (copied, or not worth it)
 
 
 @dataclass
@@ -815,10 +815,11 @@ class BatchEngine:
         takes the slot: a request that then throws it away finds the copy made and gets its
         first token without waiting for it (llama-server copies when the request comes; a
         4 MB sequence took 2-3 ms here, mostly fresh pages). The slot a new prompt would
-        take first goes first. True when it copied one (call again while still idle); False
-        once there is nothing left worth copying. A slot whose conversation continues in
-        place leaves its copy behind until a longer copy of it replaces it (HostCache.add),
-        so at most one such copy per slot is held."""
+        take first goes first. True when it took a slot in hand (call again while still
+        idle), copied unless too short, held already or over SAVE_AHEAD_BYTES; False once
+        every slot has been taken in hand since it last changed. A slot whose conversation
+        continues in place leaves its copy behind until a longer copy of it replaces it
+        (HostCache.add), so at most one such copy per slot is held."""
         if not self.host.limit or not self.idle():
             return False
         for slot in sorted(self.slots, key=_least_valuable):
