@@ -30,6 +30,7 @@ import serving  # noqa: E402
 
 from workers.engine import core  # noqa: E402
 from workers.engine.events import Token  # noqa: E402
+from workers.engine.process import _build_prompt  # noqa: E402
 
 GREEDY = core.Sampling(temperature=0)
 
@@ -103,8 +104,8 @@ def main() -> None:
         bos_token=engine.bos_text(),
     )
 
-    def tokens(messages):
-        return engine.tokenize(fmt(messages=messages).prompt, add_bos=False, special=True)
+    def tokens(messages):  # as the engine process reads a chat request
+        return _build_prompt(engine, fmt, {"messages": messages})
 
     try:
         parts = [measure(engine, tokens, int(h), args.rounds) for h in args.history.split(",")]
