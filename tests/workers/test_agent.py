@@ -335,14 +335,26 @@ def test_a_conversation_pushed_out_of_the_slots_is_restored_from_host_ram(agent,
 def test_an_idle_engine_copies_finished_conversations_to_host_ram(agent, stub):
     """Between requests the engine copies a finished conversation to host RAM before any
     request needs its slot (save_ahead): with a slot still free, nothing was pushed out,
-    and the host cache holds a copy all the same."""
+    and the host cache holds a copy all the same. The agent counts the copy's bytes as
+    taken when the engine makes it, not at the next request's end (CacheSize)."""
     load(stub, parallel=2, context_length=1024)
-    list(stub.RunInference(chat(messages=OWLS, max_tokens=8), metadata=AUTH))
-    time.sleep(0.5)  # idle (over SAVE_AHEAD_AFTER): the engine copies OWLS's slot meanwhile
-    list(stub.RunInference(chat(messages=TRAINS, max_tokens=8), metadata=AUTH))
     metrics = agent.agent.service.metrics.registry
     labels = {"replica": "r1", "model": "smollm2"}
-    assert metrics.get_sample_value("llamafleet_agent_prompt_cache_host_bytes", labels) > 0
+
+    def host_bytes() -> float:
+        return metrics.get_sample_value("llamafleet_agent_prompt_cache_host_bytes", labels)
+
+    list(stub.RunInference(chat(messages=OWLS, max_tokens=8), metadata=AUTH))
+    # Idle (over SAVE_AHEAD_AFTER): the engine copies OWLS's slot, and says so.
+    deadline = time.monotonic() + 5
+    while host_bytes() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    copied = host_bytes()
+    assert copied > 0
+    replica = agent.agent.service.replicas["r1"]
+    assert replica.host_cache_unfilled() == replica.engine.config.host_cache_bytes - copied
+    list(stub.RunInference(chat(messages=TRAINS, max_tokens=8), metadata=AUTH))
+    assert host_bytes() >= copied
     assert not metrics.get_sample_value("llamafleet_agent_prompt_cache_host_hits_total", labels)
     stub.FreeMemory(pb.FreeMemoryRequest(replica_id="r1"), metadata=AUTH)
 

@@ -140,7 +140,8 @@ class _ReplicaCollector:
         )
         host_cache = GaugeMetricFamily(
             "llamafleet_agent_prompt_cache_host_bytes",
-            "Host RAM the replica's prompt cache held when a generation last ended.",
+            "Host RAM the replica's prompt cache holds (as of its last generation's end or "
+            "its last copy made while idle).",
             labels=["replica", "model"],
         )
         for r in list(self.service.replicas.values()):
@@ -151,7 +152,7 @@ class _ReplicaCollector:
             memory.add_metric(labels, e.memory_bytes())
             ready.add_metric(labels, 1 if e.state == "ready" else 0)
             threads.add_metric(labels, e.threads)
-            host_cache.add_metric(labels, r.host_cache_bytes)
+            host_cache.add_metric(labels, e.host_cache_bytes)
         yield from (in_flight, queued, memory, ready, threads, host_cache)
 
 

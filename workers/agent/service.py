@@ -72,8 +72,6 @@ class Replica:
         self.shares_cores = not request.threads
         self.loaded = asyncio.Event()
         self.load_seconds = 0.0
-        #: Host RAM its engine's prompt cache held when a generation last ended.
-        self.host_cache_bytes = 0
 
     def host_cache_unfilled(self) -> int:
         """Host RAM this replica's prompt cache may still take (its budget less what it
@@ -83,7 +81,7 @@ class Replica:
         c = self.engine.config
         if c.rpc_servers or c.batch_invariant or self.engine.state not in ("loading", "ready"):
             return 0
-        return max(0, c.host_cache_bytes - self.host_cache_bytes)
+        return max(0, c.host_cache_bytes - self.engine.host_cache_bytes)
 
     def status(self) -> pb.ReplicaStatus:
         e = self.engine
@@ -274,7 +272,6 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
                         ],
                     )
                 else:
-                    replica.host_cache_bytes = event.usage.get("host_cache_bytes", 0)
                     self.metrics.finished(
                         replica.replica_id,
                         replica.model_name,

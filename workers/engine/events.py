@@ -3,7 +3,8 @@
 Small picklable records, matched by type (`match msg: case Token(): ...`), never read by
 position. Agent -> engine: Generate, Cancel, Tokenize, Embed, Threads, Shutdown. Engine -> agent:
 Ready or LoadError once, then Token, Done and Error events of generations (one Batch per
-decode step carries that step's events together), Tokens and Embeddings answers.
+decode step carries that step's events together), Tokens and Embeddings answers, and
+CacheSize when the host-RAM prompt cache grew while no request ran.
 """
 
 from __future__ import annotations
@@ -103,6 +104,14 @@ class Embeddings:
     id: str
     vectors: list[list[float]]
     n_tokens: int
+
+
+@dataclass(slots=True)
+class CacheSize:
+    """Bytes the host-RAM prompt cache holds, sent after an idle engine copied slots there
+    (save_ahead): a Done carries the count too, but none may come for a long while."""
+
+    bytes: int
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from workers.engine import errors
 from workers.engine.errors import EngineError
 from workers.engine.events import (
     Batch,
+    CacheSize,
     Cancel,
     Done,
     Embed,
@@ -275,8 +276,11 @@ def child_main(conn, config: EngineConfig) -> None:
         if timeout is None and not conn.poll(SAVE_AHEAD_AFTER):
             # Idle a while: copy slots to host RAM ahead of need, one at a time while
             # nothing arrives (a follow-up sent at once never waits for such a copy).
+            held = engine.host.bytes
             while not conn.poll(0) and engine.save_ahead():
                 pass
+            if engine.host.bytes != held:  # the agent reports it as memory taken
+                conn.send(CacheSize(engine.host.bytes))
         while conn.poll(timeout):
             running = _handle(conn.recv(), engine, formatter, conn, out)
             if not running:
@@ -407,6 +411,8 @@ class EngineProcess:
         #: Threads the engine decodes with: the config's until set_threads changes it.
         self.threads = config.threads
         self.generating = 0  # generations in flight (not tokenize or embed calls)
+        #: Host RAM the engine's prompt cache holds, as of its last Done or CacheSize.
+        self.host_cache_bytes = 0
         self._on_state_change = on_state_change
         self._on_busy_change = on_busy_change
         self._streams: dict[str, asyncio.Queue] = {}
@@ -482,6 +488,8 @@ class EngineProcess:
             case Batch(events=events):
                 for event in events:
                     self._dispatch(event)
+            case CacheSize(bytes=n):
+                self.host_cache_bytes = n
             case Ready(info=info):
                 if not self._ready.done():
                     self._ready.set_result(info)
@@ -490,6 +498,8 @@ class EngineProcess:
                 if not self._ready.done():
                     self._ready.set_exception(EngineError(code, message))
             case _:
+                if isinstance(msg, Done):
+                    self.host_cache_bytes = msg.usage.get("host_cache_bytes", 0)
                 queue = self._streams.get(msg.id.partition("#")[0])  # "<id>#<k>": choice k
                 if queue is not None:
                     queue.put_nowait(msg)
