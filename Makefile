@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO := proto/llamafleet/agent/v1/agent.proto
 
-.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-batching bench-save-ahead bench-cores bench-soak bench-fleet bench-coldstart bench-console llama-server nginx
+.PHONY: setup run stop status test lint proto check-proto superuser engine-rebuild clean bench bench-gemma bench-split bench-planner bench-grammar bench-batching bench-save-ahead bench-hop bench-cores bench-soak bench-fleet bench-coldstart bench-console llama-server nginx
 
 setup: $(VENV)/.installed
 
@@ -80,6 +80,9 @@ bench-batching: setup
 # pushes it out (the engine alone; needs the test model cache).
 bench-save-ahead: setup
 	$(PY) bench/save_ahead.py
+
+bench-hop: setup
+	$(PY) bench/hop.py
 
 # Two replicas on one agent: threads shared among busy engines against fixed counts.
 bench-cores: llama-server

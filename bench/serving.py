@@ -43,7 +43,8 @@ a run; it costs the serving path time). LLAMAFLEET_AGENT_FLASH_ATTN=off (or on) 
 agent so, llama-server keeping its default; LLAMA_SERVER_FLASH_ATTN=off (or on) gives
 llama-server's -fa the same way (both off: each side on the setting a user serving long
 chats on a CPU would pick). Such runs keep their parts under names of their own
-(prefix_routing_flash_attn_off, multi_turn_chat_flash_attn_off_server_fa_off, ...).
+(prefix_routing_flash_attn_off, multi_turn_chat_flash_attn_off_server_fa_off, ...);
+LLAMAFLEET_AGENT_SWA_CACHE=window likewise (..._swa_window).
 --node-core (one stream, 8 streams) gives the node a core of its own, as a fleet's node has
 with its control plane on other machines: our agent and engine, or llama-server, on the last
 core with one thread; the web process, Celery, Redis and this client on the others; its
@@ -767,6 +768,8 @@ async def multi_turn(targets: list[Target], rounds: int, turns: int = 6, tokens:
 
 #: The bench stack's agent takes LLAMAFLEET_AGENT_FLASH_ATTN from this environment.
 FLASH_ATTN = os.environ.get("LLAMAFLEET_AGENT_FLASH_ATTN", "auto")
+#: ... and LLAMAFLEET_AGENT_SWA_CACHE (window: llama-server's own sliding-window cache).
+SWA_CACHE = os.environ.get("LLAMAFLEET_AGENT_SWA_CACHE", "full")
 #: llama-server's -fa, where it is not left at its default (auto).
 SERVER_FLASH_ATTN = os.environ.get("LLAMA_SERVER_FLASH_ATTN", "")
 
@@ -1321,6 +1324,9 @@ def main() -> None:
     if SERVER_FLASH_ATTN:
         run["server_flash_attn"] = SERVER_FLASH_ATTN
         variant += f"_server_fa_{SERVER_FLASH_ATTN}"
+    if SWA_CACHE != "full":
+        run["agent_swa_cache"] = SWA_CACHE
+        variant += f"_swa_{SWA_CACHE}"
     if args.node_core:
         run["node_core"] = True
         variant += "_node_core"

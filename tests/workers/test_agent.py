@@ -370,6 +370,18 @@ def test_the_agents_flash_attention_setting_reaches_its_engines(agent, stub, mon
     stub.FreeMemory(pb.FreeMemoryRequest(replica_id="r1"), metadata=AUTH)
 
 
+def test_the_agents_sliding_window_cache_setting_reaches_its_engines(agent, stub, monkeypatch):
+    """--swa-cache window (less KV for sliding-window models, as llama-server keeps it)
+    loads replicas with llama.cpp's window-sized cache; the engine reports what it asked
+    for, and the agent still serves."""
+    monkeypatch.setattr(agent.agent.service, "swa_full", False)
+    load(stub)
+    replies = list(stub.RunInference(chat(max_tokens=8), metadata=AUTH))
+    assert replies[-1].usage.completion_tokens > 0
+    assert agent.agent.service.replicas["r1"].engine.info["swa_full"] is False
+    stub.FreeMemory(pb.FreeMemoryRequest(replica_id="r1"), metadata=AUTH)
+
+
 def test_busy_engines_share_the_agents_cores_and_one_alone_takes_them_all(agent, stub):
     """Two replicas on one agent of 2 threads: each decodes with both while the other is
     idle, with one each while both generate (all cores each oversubscribe the machine), and

@@ -762,6 +762,39 @@ def test_a_shared_prefix_comes_from_a_slot_that_still_holds_its_window(gemma_pat
         e.close()
 
 
+@pytest.mark.parametrize("swa_full", [True, False], ids=["full", "window"])
+def test_a_window_cache_keeps_a_conversation_but_not_its_early_prefixes(gemma_path, swa_full):
+    """swa_full=False (the agent's --swa-cache window, llama-server's default) keeps about
+    a window of cells per slot in gemma's sliding-window layers, where the full cache keeps
+    every position. The next turn of a conversation longer than that still reuses all of
+    it; a prompt sharing only its first 600 tokens cannot (those layers no longer hold the
+    window before token 600) and is read whole, with the text of a run without cache. The
+    full cache reuses those 600 tokens."""
+    import llama_cpp as L
+
+    e = BatchEngine(str(gemma_path), context_length=2048, parallel=1, threads=2, swa_full=swa_full)
+    try:
+        long = e.tokenize("Notes on owls. " * 350, add_bos=True, special=False)
+        assert 1200 < len(long) < 1900
+        run(e, [Request("r1", long, 4, GREEDY)])
+        held = L.llama_memory_seq_pos_min(e.memory, 0)
+        assert (held == 0) if swa_full else (held > 600 - e.n_swa)
+        history = list(e.slots[0].cached)
+        follow_up = history + e.tokenize(" And owls at night?", add_bos=False, special=False)
+        texts, done, errors = run(e, [Request("r2", follow_up, 4, GREEDY)])
+        assert not errors and texts["r2"]
+        assert done["r2"].usage["cached_tokens"] == len(history)
+        early = long[:600] + e.tokenize(" Now trains.", add_bos=False, special=False)
+        texts, done, errors = run(e, [Request("r3", early, 8, GREEDY)])
+        assert not errors
+        assert done["r3"].usage["cached_tokens"] == (600 if swa_full else 0)
+        if not swa_full:
+            solo, _, _ = run(e, [Request("solo", early, 8, GREEDY, cache_prompt=False)])
+            assert texts["r3"] == solo["solo"]
+    finally:
+        e.close()
+
+
 def test_the_host_cache_drops_the_oldest_and_what_a_newer_entry_contains():
     import ctypes
 

@@ -113,6 +113,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         prompt_cache_bytes: int = PROMPT_CACHE_MIB << 20,
         tls_files=None,
         flash_attn: str = "auto",
+        swa_full: bool = True,
     ):
         self.node_name = node_name
         self.store = store
@@ -120,6 +121,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         self.stream_interval = stream_interval
         self.prompt_cache_bytes = prompt_cache_bytes  # per replica, see BatchEngine
         self.flash_attn = flash_attn  # for whole replicas, see BatchEngine
+        self.swa_full = swa_full  # see BatchEngine
         self.rpc_host = rpc_host
         self.tls_files = tls_files  # for calls to other agents (link measurement)
         self.rpc_servers: dict[int, RpcServer] = {}
@@ -171,6 +173,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             stream_interval=self.stream_interval,
             host_cache_bytes=self.prompt_cache_bytes,
             flash_attn=self.flash_attn,
+            swa_full=self.swa_full,
             rpc_servers=list(request.rpc_servers),
             n_gpu_layers=request.n_gpu_layers
             if request.rpc_servers or request.n_gpu_layers
@@ -197,13 +200,15 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             config.model_path = str(await self.store.ensure_model(files))
             info = await engine.start()
             log.info(
-                "replica %s (%s) loaded in %.1f s: %d slots of %d tokens, flash attention %s",
+                "replica %s (%s) loaded in %.1f s: %d slots of %d tokens, flash attention %s, "
+                "sliding-window cache %s",
                 replica.replica_id,
                 replica.model_name,
                 info.get("load_seconds", 0.0),
                 info.get("parallel", 0),
                 info.get("context_length", 0),
                 info.get("flash_attn", "?"),
+                "full" if info.get("swa_full", True) else "window",
             )
         except EngineError as exc:
             engine.state, engine.error = "failed", exc.message

@@ -51,6 +51,7 @@ def measure(argv: list[str]) -> dict[str, dict[str, int]]:
     p.add_argument("--split-mode", type=int, default=1)
     p.add_argument("--tensor-split", type=float, nargs="*", default=[])
     p.add_argument("--invariant", action="store_true", help="the batch-invariant mode")
+    p.add_argument("--swa-cache", choices=("full", "window"), default="full")
     args = p.parse_args(argv)
     chunks: list[str] = []
 
@@ -69,6 +70,7 @@ def measure(argv: list[str]) -> dict[str, dict[str, int]]:
         split_mode=args.split_mode,
         tensor_split=args.tensor_split or None,
         batch_invariant=args.invariant,
+        swa_full=args.swa_cache == "full",
     )
     return parse("".join(chunks))
 

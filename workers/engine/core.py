@@ -283,12 +283,16 @@ class BatchEngine:
         tensor_split: list[float] | None = None,
         batch_invariant: bool = False,
         host_cache_bytes: int = HOST_CACHE_BYTES,
+        swa_full: bool = True,
     ):
         """rpc_servers split the model: the last n_gpu_layers layers (-1: all) go to those
         servers, in proportion to tensor_split; the rest stay here. Without rpc_servers,
         n_gpu_layers >= 0 bounds what goes to local accelerators (none on a CPU build).
         flash_attn (one of FLASH_ATTN_MODES) is for whole replicas in the throughput mode:
-        splits and the invariant mode have their own."""
+        splits and the invariant mode have their own. swa_full False keeps only a
+        sliding-window model's window in those layers' KV (llama-server's default): far
+        less memory at long contexts, but a slot offers a prefix only while it holds the
+        window before its end (_window_holds); True (the C API's default) keeps them whole."""
         if flash_attn not in FLASH_ATTN_MODES:
             raise EngineError(
                 errors.INVALID_ARGUMENT,
@@ -353,6 +357,8 @@ class BatchEngine:
             FLASH_ATTN_OFF: L.LLAMA_FLASH_ATTN_TYPE_DISABLED,
         }[flash_attn]
         self.flash_attn = flash_attn
+        cparams.swa_full = bool(swa_full)
+        self.swa_full = cparams.swa_full
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)

@@ -71,6 +71,7 @@ class EngineConfig:
     batch_invariant: bool = False  # see BatchEngine
     host_cache_bytes: int = PROMPT_CACHE_MIB << 20  # for prefixes pushed out of slots
     flash_attn: str = "auto"  # for whole replicas in the throughput mode; see BatchEngine
+    swa_full: bool = True  # a sliding-window model's KV kept whole; see BatchEngine
 
 
 # ---- child side ----------------------------------------------------------------------
@@ -316,6 +317,7 @@ def _load(conn, config: EngineConfig):
             batch_invariant=config.batch_invariant,
             host_cache_bytes=config.host_cache_bytes,
             flash_attn=config.flash_attn,
+            swa_full=config.swa_full,
         )
     except EngineError as exc:
         conn.send(LoadError(exc.code, exc.message))
@@ -337,6 +339,7 @@ def _load(conn, config: EngineConfig):
                 "load_seconds": time.monotonic() - started,
                 "chat_template": bool(template),
                 "flash_attn": engine.flash_attn,
+                "swa_full": engine.swa_full,
             }
         )
     )

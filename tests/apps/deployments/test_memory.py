@@ -86,6 +86,18 @@ def test_whole_model_estimate_is_within_10_percent(model_file, context, parallel
     assert_close(estimated(P.replica_stage(m, r)), reported(got["CPU"]), "whole model")
 
 
+def test_the_window_cache_takes_less_kv_and_the_estimate_stays_above_it(gemma_path):
+    """The agent's --swa-cache window keeps only the window in gemma's sliding-window
+    layers: far less KV at long contexts. The planner assumes the full cache, so its
+    estimate is an upper bound there."""
+    m, r = facts(gemma_path), P.Request(8192, 4)
+    full = measured(gemma_path, 8192, 4)["CPU"]
+    window = measured(gemma_path, 8192, 4, "--swa-cache", "window")["CPU"]
+    assert window["kv"] < 0.5 * full["kv"]
+    assert_close(P.kv_bytes(m, r, m.n_layers), full["kv"], "full KV")
+    assert estimated(P.replica_stage(m, r)) > reported(window)
+
+
 @pytest.mark.parametrize("context,parallel", [(512, 1), (4096, 2)])
 def test_layer_split_estimate_is_within_10_percent_on_every_node(
     model_file, rpc_pair, context, parallel
