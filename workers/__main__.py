@@ -119,7 +119,8 @@ def _agent_options(a: argparse.ArgumentParser) -> None:
         "--swa-cache",
         choices=("full", "window"),
         default=_env("LLAMAFLEET_AGENT_SWA_CACHE", "full"),
-        help="a sliding-window model's (gemma-3's) KV in those layers: full keeps every "
+        help="for whole replicas in the throughput mode, a sliding-window model's (gemma-3's) "
+        "KV in those layers: full keeps every "
         "position (a prefix can be reused from any slot that holds it), window only the "
         "window, as llama-server without --swa-full (42-81%% less KV for gemma-3-270m at "
         "2k-32k context; a slot's prefix is reused only while it holds the window before "

@@ -795,6 +795,16 @@ def test_a_window_cache_keeps_a_conversation_but_not_its_early_prefixes(gemma_pa
         e.close()
 
 
+def test_the_invariant_mode_keeps_the_full_window_cache(gemma_path):
+    """The invariant mode's text must equal Llama's in-process, which keeps the full cache:
+    a window cache asked for is not applied there."""
+    e = BatchEngine(str(gemma_path), 256, 1, 2, batch_invariant=True, swa_full=False)
+    try:
+        assert e.swa_full
+    finally:
+        e.close()
+
+
 def test_the_host_cache_drops_the_oldest_and_what_a_newer_entry_contains():
     import ctypes
 

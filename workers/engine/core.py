@@ -292,7 +292,8 @@ class BatchEngine:
         splits and the invariant mode have their own. swa_full False keeps only a
         sliding-window model's window in those layers' KV (llama-server's default): far
         less memory at long contexts, but a slot offers a prefix only while it holds the
-        window before its end (_window_holds); True (the C API's default) keeps them whole."""
+        window before its end (_window_holds); True (the C API's default) keeps them whole,
+        as splits and the invariant mode always do."""
         if flash_attn not in FLASH_ATTN_MODES:
             raise EngineError(
                 errors.INVALID_ARGUMENT,
@@ -357,7 +358,9 @@ class BatchEngine:
             FLASH_ATTN_OFF: L.LLAMA_FLASH_ATTN_TYPE_DISABLED,
         }[flash_attn]
         self.flash_attn = flash_attn
-        cparams.swa_full = bool(swa_full)
+        # Splits and the invariant mode keep the full cache: their memory estimates and
+        # Llama's numerics (its cells) were made with it.
+        cparams.swa_full = bool(swa_full) or self.invariant or bool(rpc_servers)
         self.swa_full = cparams.swa_full
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
