@@ -42,6 +42,11 @@ def main() -> None:
                 r = P.Request(ctx, par)
                 got = measured(path, ctx, par)
                 rows.append(row(name, "whole", ctx, par, "CPU", P.replica_stage(m, r), got["CPU"]))
+                if m.sliding_layers:  # a deployment's default window cache
+                    w = P.Request(ctx, par, swa_window=True)
+                    got = measured(path, ctx, par, "--swa-cache", "window")
+                    rows.append(row(name, "whole, window cache", ctx, par, "CPU",
+                                    P.replica_stage(m, w), got["CPU"]))  # fmt: skip
                 got = measured(path, ctx, par, "--rpc", *eps, "--n-gpu-layers", m.n_layers - 3,
                                "--tensor-split", 5, m.n_layers - 8)  # fmt: skip
                 parts = [

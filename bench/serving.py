@@ -44,7 +44,8 @@ agent so, llama-server keeping its default; LLAMA_SERVER_FLASH_ATTN=off (or on) 
 llama-server's -fa the same way (both off: each side on the setting a user serving long
 chats on a CPU would pick). Such runs keep their parts under names of their own
 (prefix_routing_flash_attn_off, multi_turn_chat_flash_attn_off_server_fa_off, ...);
-LLAMAFLEET_AGENT_SWA_CACHE=window likewise (..._swa_window).
+LLAMAFLEET_BENCH_SWA_CACHE=full deploys gemma with the full sliding-window cache (a deployment
+setting; window is the default) likewise (..._swa_full).
 --node-core (one stream, 8 streams) gives the node a core of its own, as a fleet's node has
 with its control plane on other machines: our agent and engine, or llama-server, on the last
 core with one thread; the web process, Celery, Redis and this client on the others; its
@@ -229,7 +230,7 @@ def start_stack(catalog_name: str) -> Path:
     stack("up")
     if catalog_name != "smollm2-135m-instruct":  # `make run` deploys only the default model
         manage("deploy", catalog_name, "--parallel", str(SLOTS), "--context-length",
-               str(CONTEXT), "--wait", "120")  # fmt: skip
+               str(CONTEXT), "--swa-cache", SWA_CACHE, "--wait", "120")  # fmt: skip
     out = manage("shell", "-c", _MODEL_PATH.format(catalog_name)).strip().splitlines()[-1]
     return Path(json.loads(out)["path"])
 
@@ -768,8 +769,8 @@ async def multi_turn(targets: list[Target], rounds: int, turns: int = 6, tokens:
 
 #: The bench stack's agent takes LLAMAFLEET_AGENT_FLASH_ATTN from this environment.
 FLASH_ATTN = os.environ.get("LLAMAFLEET_AGENT_FLASH_ATTN", "auto")
-#: ... and LLAMAFLEET_AGENT_SWA_CACHE (window: llama-server's own sliding-window cache).
-SWA_CACHE = os.environ.get("LLAMAFLEET_AGENT_SWA_CACHE", "full")
+#: The bench's deployment's swa_cache (window, the default: llama-server's own cache).
+SWA_CACHE = os.environ.get("LLAMAFLEET_BENCH_SWA_CACHE", "window")
 #: llama-server's -fa, where it is not left at its default (auto).
 SERVER_FLASH_ATTN = os.environ.get("LLAMA_SERVER_FLASH_ATTN", "")
 
@@ -1324,8 +1325,8 @@ def main() -> None:
     if SERVER_FLASH_ATTN:
         run["server_flash_attn"] = SERVER_FLASH_ATTN
         variant += f"_server_fa_{SERVER_FLASH_ATTN}"
-    if SWA_CACHE != "full":
-        run["agent_swa_cache"] = SWA_CACHE
+    if SWA_CACHE != "window":
+        run["swa_cache"] = SWA_CACHE
         variant += f"_swa_{SWA_CACHE}"
     if args.node_core:
         run["node_core"] = True

@@ -92,15 +92,17 @@ TARGETS = [
 
 def summarize(history: list[dict], since: str = "", node_core: bool = False) -> list[dict]:
     """One row per figure that some run measured. Runs of another configuration are left
-    out: the agent's or llama-server's flash attention changed, the agent's sliding-window
-    cache, and the node on a core of its own unless node_core asks for those runs alone."""
+    out: the agent's or llama-server's flash attention changed, the sliding-window cache
+    other than the default of its day, and the node on a core of its own unless node_core
+    asks for those runs alone."""
     runs = [
         r
         for r in history
         if r["measured_at"] >= since
         and "agent_flash_attn" not in r
         and "server_flash_attn" not in r
-        and "agent_swa_cache" not in r
+        and "agent_swa_cache" not in r  # the window cache before it was the default
+        and "swa_cache" not in r  # the full cache since
         and bool(r.get("node_core")) == node_core
     ]
     rows = []

@@ -28,6 +28,7 @@ HISTORY = [
     run("2026-12-04T12:00:00Z", 2.0, [2.0], agent_flash_attn="off"),
     run("2026-12-04T12:10:00Z", 2.0, [2.0], server_flash_attn="off"),  # llama-server's, too
     run("2026-12-04T12:20:00Z", 2.0, [2.0], agent_swa_cache="window"),
+    run("2026-12-04T12:25:00Z", 2.0, [2.0], swa_cache="full"),  # not the deployment default
     run("2026-12-04T12:30:00Z", 0.5, [0.5], node_core=True),
     {
         "measured_at": "2026-12-04T13:00:00Z",

@@ -116,18 +116,6 @@ def _agent_options(a: argparse.ArgumentParser) -> None:
         "long histories and costs for short prompts: see the README",
     )
     a.add_argument(
-        "--swa-cache",
-        choices=("full", "window"),
-        default=_env("LLAMAFLEET_AGENT_SWA_CACHE", "full"),
-        help="for whole replicas in the throughput mode, a sliding-window model's (gemma-3's) "
-        "KV in those layers: full keeps every "
-        "position (a prefix can be reused from any slot that holds it), window only the "
-        "window, as llama-server without --swa-full (42-81%% less KV for gemma-3-270m at "
-        "2k-32k context; a slot's prefix is reused only while it holds the window before "
-        "the prefix's end). LLAMAFLEET_AGENT_SWA_CACHE; default full: the planner's "
-        "memory estimate assumes it",
-    )
-    a.add_argument(
         "--rpc-host",
         default=_env("LLAMAFLEET_RPC_HOST"),
         help="address rpc servers listen on (LLAMAFLEET_RPC_HOST; default: the host of "
@@ -211,7 +199,6 @@ def _agent(args, parser: argparse.ArgumentParser) -> int:
         stream_interval_ms=args.stream_interval_ms,
         prompt_cache_mib=args.prompt_cache_mib,
         flash_attn=args.flash_attn,
-        swa_cache=args.swa_cache,
         drain_seconds=args.drain_seconds,
         rpc_host=args.rpc_host,
         allow_public_rpc=args.allow_public_rpc,

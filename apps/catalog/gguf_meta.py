@@ -62,6 +62,45 @@ def _open(path: Path) -> gguf.GGUFReader:
     return reader
 
 
+#: Sliding-window architectures as llama.cpp loads them (src/models/<arch>.cpp): every
+#: n-th layer attends to everything, the others to the window, unless the file says
+#: otherwise (`<arch>.attention.sliding_window_pattern`, a period or one flag per layer);
+#: and the window when the file gives none. Others with a window count no sliding layers,
+#: so the planner sizes their KV as full (an upper bound).
+SWA_PATTERNS = {
+    "gemma2": 2,
+    "gemma3": 6,
+    "gemma3n": 5,
+    "gemma-embedding": 6,
+    "cohere2": 4,
+    "gpt-oss": 2,
+    "olmo2": 4,
+}
+SWA_DEFAULT_WINDOW = {"gemma2": 4096}
+
+
+def _sliding(reader: gguf.GGUFReader, arch: str, n_layers: int) -> tuple[int, int]:
+    """(window, layers using it), as llama.cpp's set_swa_pattern lays them out."""
+    window = int(
+        _field(reader, f"{arch}.attention.sliding_window") or SWA_DEFAULT_WINDOW.get(arch, 0)
+    )
+    if not window or not n_layers:
+        return window, 0
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # one flag per layer
+        return window, sum(bool(x) for x in pattern[:n_layers])
+    period = int(pattern) if pattern is not None else SWA_PATTERNS.get(arch)
+    if period is None:
+        return window, 0
+    if period == 0:
+        return window, n_layers
+    last = sum(1 for i in range(n_layers) if i % period < period - 1)
+    if arch in SWA_PATTERNS:
+        return window, last
+    # Some architectures put the full layer first in each period: count the fewer of the two.
+    return window, min(last, sum(1 for i in range(n_layers) if i % period != 0))
+
+
 def _check_split(readers: list[gguf.GGUFReader]) -> None:
     """The parts are one split, complete and in order (what llama.cpp will check on load)."""
     count = int(_field(readers[0], "split.count") or 1)
@@ -110,6 +149,7 @@ def read_metadata(paths: str | Path | list) -> dict:
     except (TypeError, ValueError):
         quantization = str(file_type or "unknown")
     n_heads = int(_field(reader, f"{arch}.attention.head_count") or 0)
+    window, sliding_layers = _sliding(reader, str(arch), n_layers)
     n_embd = int(_field(reader, f"{arch}.embedding_length") or 0)
     return {
         "architecture": str(arch),
@@ -130,6 +170,7 @@ def read_metadata(paths: str | Path | list) -> dict:
         "bytes_output": output,
         "n_vocab": int(_field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else 0)),
         "n_ff": int(_field(reader, f"{arch}.feed_forward_length") or 0),
-        "sliding_window": int(_field(reader, f"{arch}.attention.sliding_window") or 0),
+        "sliding_window": window,
+        "sliding_layers": sliding_layers,
         "has_chat_template": _field(reader, "tokenizer.chat_template") is not None,
     }

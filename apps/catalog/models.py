@@ -44,6 +44,9 @@ class CatalogModel(models.Model):
     sliding_window = models.PositiveIntegerField(
         default=0, help_text="Sliding-window attention span (0: none)."
     )
+    sliding_layers = models.PositiveIntegerField(
+        default=0, help_text="Layers attending only to the window (as llama.cpp loads them)."
+    )
     has_chat_template = models.BooleanField(default=False, help_text="The file carries one.")
     chat_template = models.TextField(
         blank=True, help_text="Jinja chat template used when the file carries none."

@@ -51,6 +51,19 @@ class Deployment(models.Model):
         help_text="throughput: batches like llama-server and reuses cached prompts; invariant: "
         "greedy text equals a solo run whatever else runs, at a cost in tokens/s.",
     )
+
+    class SwaCache(models.TextChoices):
+        WINDOW = "window", "window: sliding layers keep their window only, as llama-server does"
+        FULL = "full", "full: sliding layers keep every token, so any cached prefix is reusable"
+
+    swa_cache = models.CharField(
+        max_length=10,
+        choices=SwaCache.choices,
+        default=SwaCache.WINDOW,
+        help_text="Sliding-window models (gemma) in the throughput mode: window takes far less "
+        "KV at long contexts; full also reuses a prefix another conversation shares beyond "
+        "the window. Splits and the invariant mode always keep the full cache.",
+    )
     routing_policy = models.CharField(
         max_length=20,
         choices=Routing.choices,

@@ -81,6 +81,12 @@ def cluster(deployment: Deployment | None = None) -> tuple[list[P.NodeState], di
     return states, links
 
 
+def swa_window(batching: str, swa_cache: str) -> bool:
+    """Whether whole replicas keep only the window in sliding layers (the invariant mode
+    keeps the full cache whatever the deployment says)."""
+    return batching == Deployment.Batching.THROUGHPUT and swa_cache == Deployment.SwaCache.WINDOW
+
+
 def preview(
     model: CatalogModel,
     context_length: int,
@@ -89,6 +95,7 @@ def preview(
     split_mode: str = "auto",
     pin_nodes: list[str] | tuple[str, ...] = (),
     deployment: Deployment | None = None,
+    swa_window: bool = True,
 ) -> P.Plan:
     """What the planner would do now; nothing is stored."""
     nodes, links = cluster(deployment)
@@ -98,6 +105,7 @@ def preview(
         replicas=replicas,
         split_mode=split_mode,
         pin_nodes=tuple(pin_nodes or ()),
+        swa_window=swa_window,
     )
     return P.plan(model_facts(model), request, nodes, links)
 
@@ -120,6 +128,7 @@ def plan_for(d: Deployment, count: int) -> P.Plan:
         replicas=count,
         split_mode=d.split_mode,
         pin_nodes=tuple(pins),
+        swa_window=swa_window(d.batching, d.swa_cache),
     )
     if d.pin_nodes and not pins:
         return P.Plan("refused", error="every pinned node already holds a copy of this split")

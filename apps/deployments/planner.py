@@ -60,6 +60,8 @@ class ModelFacts:
     n_vocab: int
     n_ff: int
     sliding_window: int = 0
+    #: Layers attending only to the window (gemma-3: 5 of every 6).
+    sliding_layers: int = 0
 
     @property
     def layer_bytes(self) -> int:
@@ -84,6 +86,9 @@ class Request:
     split_mode: str = "auto"  # auto: replicas if one node holds it, else a layer split
     pin_nodes: tuple[str, ...] = ()  # only these nodes; the first is the head of a split
     max_nodes: int = 16  # most nodes one split may span
+    #: Whole replicas keep only the window in sliding layers (llama-server's default);
+    #: splits always keep the full cache.
+    swa_window: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,8 +172,26 @@ def kv_cells(context_length: int) -> int:
 
 
 def kv_bytes(m: ModelFacts, r: Request, layers: float) -> int:
-    per_cell = 2 * m.n_kv_heads * m.head_dim * 2  # K and V, f16
-    return int(layers * kv_cells(r.context_length) * r.parallel * per_cell)
+    """The full cache of `layers` layers: every slot's whole context."""
+    return int(layers * kv_cells(r.context_length) * r.parallel * _per_cell(m))
+
+
+def _per_cell(m: ModelFacts) -> int:
+    return 2 * m.n_kv_heads * m.head_dim * 2  # K and V, f16
+
+
+def window_cells(m: ModelFacts, r: Request) -> int:
+    """Cells per slot of a sliding layer in the window cache (llama_kv_cache_iswa: the
+    window plus one ubatch, padded to 256, never more than the context)."""
+    return min(kv_cells(r.context_length), -(-(m.sliding_window + N_UBATCH) // 256) * 256)
+
+
+def replica_kv_bytes(m: ModelFacts, r: Request) -> int:
+    """A whole replica's KV: with the window cache its sliding layers hold the window only."""
+    if not (r.swa_window and m.sliding_window and m.sliding_layers):
+        return kv_bytes(m, r, m.n_layers)
+    sliding = m.sliding_layers * window_cells(m, r) * r.parallel * _per_cell(m)
+    return kv_bytes(m, r, m.n_layers - m.sliding_layers) + sliding
 
 
 def compute_bytes(m: ModelFacts, r: Request, *, layers: bool, logits: bool, embed: bool) -> int:
@@ -205,7 +228,7 @@ def replica_stage(m: ModelFacts, r: Request) -> Stage:
         layer_start=0,
         layer_end=m.n_layers,
         weights_bytes=m.file_bytes,
-        kv_bytes=kv_bytes(m, r, m.n_layers),
+        kv_bytes=replica_kv_bytes(m, r),
         compute_bytes=compute_bytes(m, r, layers=True, logits=True, embed=False)
         + logits_buffer_bytes(m, r),
         overhead_bytes=ENGINE_OVERHEAD_BYTES,
@@ -325,9 +348,15 @@ def _replicas(m: ModelFacts, r: Request, fits: list[NodeState], whole: int) -> P
         stages.append(s)
     p = Plan("replicas", stages=stages, needed_bytes=whole)
     s0 = stages[0]
+    window = (
+        f" with {m.sliding_layers} of {m.n_layers} layers keeping only their "
+        f"{m.sliding_window}-token window"
+        if s0.kv_bytes < kv_bytes(m, r, m.n_layers)
+        else ""
+    )
     p.reasons.append(
         f"{m.name} needs {gib(whole)} per replica (weights {gib(s0.weights_bytes)}, KV "
-        f"{gib(s0.kv_bytes)}, compute {gib(s0.compute_bytes)}, process "
+        f"{gib(s0.kv_bytes)}{window}, compute {gib(s0.compute_bytes)}, process "
         f"{gib(s0.overhead_bytes)}); {len(fits)} node(s) hold a whole copy, so no split "
         f"(a split buys capacity, not speed)"
     )

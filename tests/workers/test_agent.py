@@ -26,7 +26,7 @@ def stub(agent):
     channel.close()
 
 
-def load(stub, replica_id="r1", sha=SHA, context_length=512, parallel=2):
+def load(stub, replica_id="r1", sha=SHA, context_length=512, parallel=2, **fields):
     return stub.LoadModel(
         pb.LoadModelRequest(
             replica_id=replica_id,
@@ -34,6 +34,7 @@ def load(stub, replica_id="r1", sha=SHA, context_length=512, parallel=2):
             sha256=sha,
             context_length=context_length,
             parallel=parallel,
+            **fields,
         ),
         metadata=AUTH,
         timeout=120,
@@ -370,15 +371,15 @@ def test_the_agents_flash_attention_setting_reaches_its_engines(agent, stub, mon
     stub.FreeMemory(pb.FreeMemoryRequest(replica_id="r1"), metadata=AUTH)
 
 
-def test_the_agents_sliding_window_cache_setting_reaches_its_engines(agent, stub, monkeypatch):
-    """--swa-cache window (less KV for sliding-window models, as llama-server keeps it)
-    loads replicas with llama.cpp's window-sized cache; the engine reports what it asked
-    for, and the agent still serves."""
-    monkeypatch.setattr(agent.agent.service, "swa_full", False)
-    load(stub)
+@pytest.mark.parametrize("swa_window", [True, False])
+def test_the_load_requests_sliding_window_cache_reaches_its_engine(agent, stub, swa_window):
+    """LoadModel's swa_window (a deployment's swa_cache) loads the replica with llama.cpp's
+    window-sized cache, or the full one without it; the engine reports what it asked for,
+    and the agent serves either way."""
+    load(stub, swa_window=swa_window)
     replies = list(stub.RunInference(chat(max_tokens=8), metadata=AUTH))
     assert replies[-1].usage.completion_tokens > 0
-    assert agent.agent.service.replicas["r1"].engine.info["swa_full"] is False
+    assert agent.agent.service.replicas["r1"].engine.info["swa_full"] is not swa_window
     stub.FreeMemory(pb.FreeMemoryRequest(replica_id="r1"), metadata=AUTH)
 
 

@@ -764,7 +764,7 @@ def test_a_shared_prefix_comes_from_a_slot_that_still_holds_its_window(gemma_pat
 
 @pytest.mark.parametrize("swa_full", [True, False], ids=["full", "window"])
 def test_a_window_cache_keeps_a_conversation_but_not_its_early_prefixes(gemma_path, swa_full):
-    """swa_full=False (the agent's --swa-cache window, llama-server's default) keeps about
+    """swa_full=False (a deployment's default swa_cache, llama-server's default) keeps about
     a window of cells per slot in gemma's sliding-window layers, where the full cache keeps
     every position. The next turn of a conversation longer than that still reuses all of
     it; a prompt sharing only its first 600 tokens cannot (those layers no longer hold the

@@ -48,7 +48,6 @@ class AgentSettings:
     stream_interval_ms: float = STREAM_INTERVAL_MS  # a stream's pieces closer are merged
     prompt_cache_mib: int = PROMPT_CACHE_MIB  # host RAM per replica; 0 for none
     flash_attn: str = "auto"  # auto, on or off, for whole replicas (see BatchEngine)
-    swa_cache: str = "full"  # full or window: a sliding-window model's KV (see BatchEngine)
     drain_seconds: float = 30.0  # on SIGTERM, how long generations in flight may finish
     rpc_host: str = ""  # where rpc servers listen; "" for the host of `advertise`
     allow_public_rpc: bool = False  # let rpc servers bind a wildcard or public address
@@ -161,7 +160,6 @@ class Agent:
             stream_interval=settings.stream_interval_ms / 1000,
             prompt_cache_bytes=settings.prompt_cache_mib << 20,
             flash_attn=settings.flash_attn,
-            swa_full=settings.swa_cache == "full",
             rpc_host=rpc_host,
             tls_files=settings.tls,
         )

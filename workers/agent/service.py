@@ -113,7 +113,6 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         prompt_cache_bytes: int = PROMPT_CACHE_MIB << 20,
         tls_files=None,
         flash_attn: str = "auto",
-        swa_full: bool = True,
     ):
         self.node_name = node_name
         self.store = store
@@ -121,7 +120,6 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         self.stream_interval = stream_interval
         self.prompt_cache_bytes = prompt_cache_bytes  # per replica, see BatchEngine
         self.flash_attn = flash_attn  # for whole replicas, see BatchEngine
-        self.swa_full = swa_full  # see BatchEngine
         self.rpc_host = rpc_host
         self.tls_files = tls_files  # for calls to other agents (link measurement)
         self.rpc_servers: dict[int, RpcServer] = {}
@@ -173,7 +171,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             stream_interval=self.stream_interval,
             host_cache_bytes=self.prompt_cache_bytes,
             flash_attn=self.flash_attn,
-            swa_full=self.swa_full,
+            swa_full=not request.swa_window,
             rpc_servers=list(request.rpc_servers),
             n_gpu_layers=request.n_gpu_layers
             if request.rpc_servers or request.n_gpu_layers

@@ -139,6 +139,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "parallel",
             "routing_policy",
             "batching",
+            "swa_cache",
             "split_mode",
             "pin_nodes",
             "restart_policy",
@@ -191,6 +192,12 @@ class CreateDeploymentSerializer(serializers.Serializer):
     batching = serializers.ChoiceField(
         choices=Deployment.Batching.choices, default=Deployment.Batching.THROUGHPUT
     )
+    swa_cache = serializers.ChoiceField(
+        choices=Deployment.SwaCache.choices,
+        default=Deployment.SwaCache.WINDOW,
+        help_text="Sliding-window models: window (far less KV) or full (any shared prefix "
+        "reusable). Splits and the invariant mode keep the full cache.",
+    )
     split_mode = serializers.ChoiceField(
         choices=Deployment.SplitMode.choices,
         default=Deployment.SplitMode.AUTO,
@@ -213,7 +220,6 @@ class CreateDeploymentSerializer(serializers.Serializer):
 class PlanRequestSerializer(CreateDeploymentSerializer):
     name = None
     routing_policy = None
-    batching = None
     restart_policy = None
     autoscaling = None
 

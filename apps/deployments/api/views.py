@@ -49,6 +49,7 @@ class DeploymentViewSet(
                 v.get("parallel"),
                 v.get("routing_policy"),
                 v["batching"],
+                v["swa_cache"],
                 v["split_mode"],
                 v["pin_nodes"],
                 v["restart_policy"],
@@ -71,7 +72,13 @@ class DeploymentViewSet(
             v["split_mode"], v["pin_nodes"],
         )  # fmt: skip
         plan = placement.preview(
-            model, context_length, parallel, v["replicas"], v["split_mode"], v["pin_nodes"]
+            model,
+            context_length,
+            parallel,
+            v["replicas"],
+            v["split_mode"],
+            v["pin_nodes"],
+            swa_window=placement.swa_window(v["batching"], v["swa_cache"]),
         )
         shown = plan.as_dict()
         return Response(shown | placement.drawing(shown))

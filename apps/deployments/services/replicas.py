@@ -8,6 +8,7 @@ import grpc
 from django.utils import timezone
 
 from apps.catalog.services import agent_files
+from apps.deployments import placement
 from apps.deployments.models import Deployment, Replica, ShardPlan
 from apps.deployments.services.events import record_event
 from apps.deployments.services.reconciling import fail_replica, refresh_state, stopping
@@ -96,6 +97,7 @@ def _load_request(r: Replica):
         parallel=d.parallel,
         chat_template=model.chat_template,
         batch_invariant=d.batching == Deployment.Batching.INVARIANT,
+        swa_window=placement.swa_window(d.batching, d.swa_cache),
     )
     if r.plan is not None and r.plan.kind != ShardPlan.Kind.SPLIT:
         # Layers the planner put on this node's accelerators (0: none reported).

@@ -153,3 +153,38 @@ def test_jobs_whose_worker_died_end_failed_and_jobs_never_sent_are_resent(
     assert lost.state == quant.state == pulling.state == "failed"
     assert "worker was lost" in lost.error and "worker was lost" in pulling.error
     assert sent == [("pull", waiting.pk)]
+
+
+def test_sliding_layers_follow_llama_cpps_patterns(gemma_path, smollm2_path, tmp_path):
+    """Which layers attend only to a window, as llama.cpp lays them out: gemma-3's 5 of
+    every 6; a pattern the file gives (a period, or one flag per layer) wins; an
+    architecture with a window and no known pattern counts none (its KV sized as full)."""
+    import gguf
+
+    assert (read_metadata(gemma_path)["sliding_window"], read_metadata(gemma_path)[
+        "sliding_layers"]) == (512, 15)  # fmt: skip
+    assert read_metadata(smollm2_path)["sliding_layers"] == 0
+
+    def made(arch: str, **keys) -> dict:
+        path = tmp_path / f"{arch}-{len(keys)}.gguf"
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_block_count(10)
+        for key, value in keys.items():
+            w.add_key_value(f"{arch}.attention.{key}", value[0], value[1])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return read_metadata(path)
+
+    V = gguf.GGUFValueType
+    assert made("gemma3", sliding_window=(256, V.UINT32))["sliding_layers"] == 9  # not 5
+    flags = [True, False] * 5
+    meta = made("gemma3", sliding_window=(256, V.UINT32), sliding_window_pattern=(flags, V.ARRAY))
+    assert meta["sliding_layers"] == 5
+    assert made("gemma2")["sliding_window"] == 4096  # llama.cpp's default for gemma 2
+    assert made("mystery", sliding_window=(128, V.UINT32))["sliding_layers"] == 0
+    # A period for an architecture whose layout is unknown: the fewer of the two layouts.
+    meta = made("mystery", sliding_window=(128, V.UINT32), sliding_window_pattern=(4, V.UINT32))
+    assert meta["sliding_layers"] == 7
+    assert made("gemma3")["sliding_layers"] == 0  # no window: none

@@ -164,3 +164,45 @@ def test_preview_carries_what_its_picture_needs(ops, smollm2_model, small_nodes)
     assert refused["kind"] == "refused" and refused["needed_bytes"] > 0.35 * GiB
     assert {n["name"] for n in refused["nodes"]} == {"n0", "n1", "n2", "tiny"}
     assert refused["links"] != [] and refused["stages"] == []
+
+
+@pytest.fixture
+def gemma_model(db, gemma_path):
+    """gemma-3-270m's facts in the catalog (the planner reads nothing else)."""
+    from apps.catalog.gguf_meta import read_metadata
+    from apps.catalog.models import CatalogModel
+
+    return CatalogModel.objects.create(
+        name="gemma-3-270m",
+        source="test",
+        state=CatalogModel.State.READY,
+        sha256="0" * 64,
+        size_bytes=gemma_path.stat().st_size,
+        **read_metadata(gemma_path),
+    )
+
+
+def test_a_deployments_window_cache_lets_a_long_context_fit_where_the_full_one_does_not(
+    ops, gemma_model
+):
+    """A deployment's swa_cache (window by default) is what its plan is sized by: at
+    32,768 tokens gemma's window cache takes about a fifth of the full one's KV, so a
+    node with room for it holds a replica that the full cache, or the invariant mode
+    (which always keeps it), would not fit."""
+    from apps.deployments import placement
+    from apps.deployments import planner as P
+
+    body = {"model": "gemma-3-270m", "context_length": 32768, "parallel": 1}
+    m = placement.model_facts(gemma_model)
+    sizes = [P.replica_stage(m, P.Request(32768, 1, swa_window=w)) for w in (True, False)]
+    node("n0", (sizes[0].total_bytes + sizes[1].total_bytes) / 2 / GiB)
+    window, full = preview(ops, **body), preview(ops, **body, swa_cache="full")
+    assert window["kind"] == "replicas" and "15 of 18 layers" in window["reasons"][0]
+    assert window["stages"][0]["kv_bytes"] == sizes[0].kv_bytes < 0.3 * sizes[1].kv_bytes
+    assert full["kind"] == "refused" and "on one node" in full["error"]
+    invariant = preview(ops, **body, batching="invariant")
+    assert invariant["kind"] == "refused"
+    resp = ops.post("/api/v1/deployments/", {**body, "swa_cache": "half"}, format="json")
+    assert resp.status_code == 400 and "swa_cache" in resp.json()
+    resp = ops.post("/api/v1/deployments/", body, format="json")
+    assert resp.status_code == 202 and resp.json()["swa_cache"] == "window"

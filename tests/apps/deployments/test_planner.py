@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from apps.deployments import planner as P
@@ -177,3 +179,41 @@ def test_a_thousand_nodes_plan_quickly_enough_to_run_per_request():
     p = P.plan(BIG, REQ, cluster)
     assert p.kind == "split" and 7 <= len(p.stages) <= 16
     assert sum(s.layers for s in p.stages) == 30
+
+
+# gemma-3-like: 18 layers, 15 of them with a 512-token window.
+SWA = dataclasses.replace(
+    BIG,
+    name="swa",
+    n_layers=18,
+    bytes_per_layer=(GiB // 18,) * 18,
+    sliding_window=512,
+    sliding_layers=15,
+)
+
+
+def test_the_window_cache_sizes_sliding_layers_by_the_window_and_lets_more_fit():
+    """Whole replicas with swa_window keep the window plus one ubatch (padded to 256) in
+    each sliding layer, the full context in the others; splits and a model with no window
+    keep the full cache. The smaller estimate is what places a replica."""
+    full, window = P.Request(32768, 4), P.Request(32768, 4, swa_window=True)
+    per_cell = 2 * SWA.n_kv_heads * SWA.head_dim * 2
+    expected = (3 * 32768 + 15 * 1024) * 4 * per_cell
+    assert P.replica_stage(SWA, window).kv_bytes == expected
+    assert P.replica_stage(SWA, full).kv_bytes == 18 * 32768 * 4 * per_cell
+    short = P.Request(512, 4, swa_window=True)  # the window is no smaller than the context
+    assert P.replica_stage(SWA, short).kv_bytes == P.replica_stage(SWA, P.Request(512, 4)).kv_bytes
+    assert P.replica_stage(BIG, P.Request(32768, 4, swa_window=True)).kv_bytes == (
+        P.replica_stage(BIG, P.Request(32768, 4)).kv_bytes
+    )
+    head = P.split_stage(SWA, window, "head", 0, 9, output=False)
+    assert head.kv_bytes == P.kv_bytes(SWA, full, 9)
+
+    whole = P.replica_stage(SWA, window).total_bytes
+    room = nodes(whole / GiB + 0.01)
+    p = P.plan(SWA, window, room)
+    assert (
+        p.kind == "replicas"
+        and "15 of 18 layers keeping only their 512-token window" in (p.reasons[0])
+    )
+    assert P.plan(SWA, full, room).kind == "refused"  # one node: the full cache does not fit

@@ -36,6 +36,25 @@ def test_replicas_are_placed_loaded_and_ready(smollm2_model, fake_agent):
     assert set(d.replica_set.values_list("state", flat=True)) == {S.READY}
 
 
+@pytest.mark.parametrize(
+    ("batching", "swa_cache", "window"),
+    [("throughput", "window", True), ("throughput", "full", False), ("invariant", "window", False)],
+)
+def test_load_model_carries_the_deployments_sliding_window_cache(
+    smollm2_model, fake_agent, batching, swa_cache, window
+):
+    """The window cache reaches the agent only in the throughput mode: the invariant mode
+    keeps the full cache whatever the deployment says (as its plan assumed)."""
+    d = services.do_create(
+        "chat", smollm2_model.name, 1, 512, 2, batching=batching, swa_cache=swa_cache
+    )
+    services.reconcile(d.pk)
+    services.load(str(d.replica_set.get().pk))
+    [call] = fake_agent.calls_of("LoadModel")
+    assert call.swa_window is window
+    assert call.batch_invariant is (batching == "invariant")
+
+
 def test_a_failed_load_fails_the_replica_with_the_agents_reason(smollm2_model, fake_agent):
     fake_agent.load_error = "the file is not a GGUF model"
     d = deploy(smollm2_model, replicas=1)

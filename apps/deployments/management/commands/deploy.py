@@ -1,4 +1,5 @@
-"""`manage.py deploy MODEL [--split-mode M] [--pin NODE ...] [--plan] [--wait SECONDS]`:
+"""`manage.py deploy MODEL [--split-mode M] [--swa-cache window|full] [--pin NODE ...] [--plan]
+[--wait SECONDS]`:
 deploy a model (or reuse its deployment); --plan prints the plan and deploys nothing."""
 
 import time
@@ -23,20 +24,27 @@ class Command(BaseCommand):
         parser.add_argument("--parallel", type=int, default=None)
         parser.add_argument("--wait", type=float, default=0, help="seconds to wait for ready")
         parser.add_argument("--split-mode", default="auto", choices=Deployment.SplitMode.values)
+        parser.add_argument(
+            "--swa-cache",
+            default=Deployment.SwaCache.WINDOW,
+            choices=Deployment.SwaCache.values,
+            help="sliding-window models: window (less KV) or full (any shared prefix reusable)",
+        )
         parser.add_argument("--pin", nargs="*", default=[], help="only these nodes, head first")
         parser.add_argument("--plan", action="store_true", help="print the plan; deploy nothing")
 
     def handle(self, model, name, replicas, context_length, parallel, wait, **options):
         name = name or model
         mode, pins = options["split_mode"], options["pin"]
+        swa_cache = options["swa_cache"]
         if options["plan"]:
-            return self._plan(model, replicas, context_length, parallel, mode, pins)
+            return self._plan(model, replicas, context_length, parallel, mode, pins, swa_cache)
         d = Deployment.objects.filter(name=name).first()
         try:
             if d is None:
                 d = services.do_create(
                     name, model, replicas, context_length, parallel,
-                    split_mode=mode, pin_nodes=pins,
+                    split_mode=mode, pin_nodes=pins, swa_cache=swa_cache,
                 )  # fmt: skip
                 self.stdout.write(f"deployment {name} created")
             elif d.state in (D.FAILED, D.CRASH_LOOP, D.STOPPED):
@@ -60,7 +68,7 @@ class Command(BaseCommand):
             raise CommandError(f"deployment {name} is {d.state} after {wait:.0f} s: {d.error}")
         self.stdout.write(f"deployment {name} is {d.state}")
 
-    def _plan(self, model, replicas, context_length, parallel, mode, pins):
+    def _plan(self, model, replicas, context_length, parallel, mode, pins, swa_cache):
         from apps.deployments import placement
 
         try:
@@ -69,7 +77,10 @@ class Command(BaseCommand):
             )
         except DomainError as exc:
             raise CommandError(exc.message) from exc
-        plan = placement.preview(m, context_length, parallel, replicas, mode, pins)
+        plan = placement.preview(
+            m, context_length, parallel, replicas, mode, pins,
+            swa_window=swa_cache == Deployment.SwaCache.WINDOW,
+        )  # fmt: skip
         self.stdout.write(
             f"{plan.kind}" + (f" ({plan.split_mode})" if plan.kind == "split" else "")
         )

@@ -74,7 +74,7 @@ class ModelFile(_message.Message):
     def __init__(self, sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("replica_id", "model_name", "sha256", "size_bytes", "download_url", "context_length", "parallel", "threads", "chat_template", "rpc_servers", "n_gpu_layers", "split_mode", "tensor_split", "batch_invariant", "files")
+    __slots__ = ("replica_id", "model_name", "sha256", "size_bytes", "download_url", "context_length", "parallel", "threads", "chat_template", "rpc_servers", "n_gpu_layers", "split_mode", "tensor_split", "batch_invariant", "files", "swa_window")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class LoadModelRequest(_message.Message):
     TENSOR_SPLIT_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    SWA_WINDOW_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     model_name: str
     sha256: str
@@ -105,7 +106,8 @@ class LoadModelRequest(_message.Message):
     tensor_split: _containers.RepeatedScalarFieldContainer[float]
     batch_invariant: bool
     files: _containers.RepeatedCompositeFieldContainer[ModelFile]
-    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ..., chat_template: _Optional[str] = ..., rpc_servers: _Optional[_Iterable[str]] = ..., n_gpu_layers: _Optional[int] = ..., split_mode: _Optional[_Union[SplitMode, str]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., batch_invariant: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ...) -> None: ...
+    swa_window: bool
+    def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., download_url: _Optional[str] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ..., chat_template: _Optional[str] = ..., rpc_servers: _Optional[_Iterable[str]] = ..., n_gpu_layers: _Optional[int] = ..., split_mode: _Optional[_Union[SplitMode, str]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., batch_invariant: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ..., swa_window: _Optional[bool] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("state", "error", "memory_bytes", "load_seconds")
