@@ -95,7 +95,8 @@ def preview(
     split_mode: str = "auto",
     pin_nodes: list[str] | tuple[str, ...] = (),
     deployment: Deployment | None = None,
-    swa_window: bool = True,
+    batching: str = Deployment.Batching.THROUGHPUT,
+    swa_cache: str = Deployment.SwaCache.WINDOW,
 ) -> P.Plan:
     """What the planner would do now; nothing is stored."""
     nodes, links = cluster(deployment)
@@ -105,7 +106,7 @@ def preview(
         replicas=replicas,
         split_mode=split_mode,
         pin_nodes=tuple(pin_nodes or ()),
-        swa_window=swa_window,
+        swa_window=swa_window(batching, swa_cache),
     )
     return P.plan(model_facts(model), request, nodes, links)
 

@@ -78,7 +78,8 @@ class DeploymentViewSet(
             v["replicas"],
             v["split_mode"],
             v["pin_nodes"],
-            swa_window=placement.swa_window(v["batching"], v["swa_cache"]),
+            batching=v["batching"],
+            swa_cache=v["swa_cache"],
         )
         shown = plan.as_dict()
         return Response(shown | placement.drawing(shown))

@@ -78,9 +78,8 @@ class Command(BaseCommand):
         except DomainError as exc:
             raise CommandError(exc.message) from exc
         plan = placement.preview(
-            m, context_length, parallel, replicas, mode, pins,
-            swa_window=swa_cache == Deployment.SwaCache.WINDOW,
-        )  # fmt: skip
+            m, context_length, parallel, replicas, mode, pins, swa_cache=swa_cache
+        )
         self.stdout.write(
             f"{plan.kind}" + (f" ({plan.split_mode})" if plan.kind == "split" else "")
         )
