@@ -795,6 +795,46 @@ def test_a_window_cache_keeps_a_conversation_but_not_its_early_prefixes(gemma_pa
         e.close()
 
 
+def test_a_shared_system_prompt_survives_the_window_cache_as_a_checkpoint(gemma_path):
+    """With the window cache a slot whose conversation ran past about a window of cells
+    keeps no sliding-window cell of its start, so a new conversation under the same system
+    prompt could not reuse it and was read whole, in every slot, every time. The first
+    prompt that shares it copies its state at the shared prefix's end to host RAM; the
+    next conversations restore that checkpoint into any slot (it stays for the next),
+    with the text of a run without cache."""
+    import llama_cpp as L
+
+    from apps.catalog.sources import GEMMA_CHAT_TEMPLATE
+
+    system = "You are the careful reading assistant of the city library. " * 12
+    e = BatchEngine(str(gemma_path), context_length=2048, parallel=2, threads=2, swa_full=False)
+    try:
+
+        def conversation(user):
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+            return chat_tokens(e, messages, GEMMA_CHAT_TEMPLATE)
+
+        a, d = conversation("Notes on owls. " * 230), conversation("Notes on trains. " * 230)
+        b, c = conversation("Why is the sky blue?"), conversation("What do ships carry?")
+        prefix = common_prefix(b, c)
+        assert prefix > 100 and common_prefix(a, b) == common_prefix(d, c) == prefix
+        run(e, [Request("a", a, 4, GREEDY)])
+        assert L.llama_memory_seq_pos_min(e.memory, 0) > 0  # a's start left the window
+        _, done, _ = run(e, [Request("b", b, 4, GREEDY)])
+        assert done["b"].usage["cached_tokens"] == 0  # read whole, as before
+        assert [(len(x.tokens), x.kept) for x in e.host.entries] == [(prefix, True)]
+        run(e, [Request("d", d, 4, GREEDY)])  # b's slot: now both slots ran past the window
+        assert L.llama_memory_seq_pos_min(e.memory, 1) > 0
+        texts, done, errors = run(e, [Request("c", c, 16, GREEDY)])
+        assert not errors
+        assert done["c"].usage["cached_tokens"] == done["c"].usage["host_cached_tokens"] == prefix
+        assert any(x.kept and len(x.tokens) == prefix for x in e.host.entries)
+        solo, _, _ = run(e, [Request("solo", c, 16, GREEDY, cache_prompt=False)])
+        assert texts["c"] == solo["solo"]
+    finally:
+        e.close()
+
+
 def test_the_invariant_mode_keeps_the_full_window_cache(gemma_path):
     """The invariant mode's text must equal Llama's in-process, which keeps the full cache:
     a window cache asked for is not applied there."""

@@ -137,13 +137,19 @@ class _Saved:
     tokens: list[int]
     data: ctypes.Array
     size: int
+    #: A checkpoint of a prefix that prompts share (BatchEngine._shared_prefix): restoring
+    #: it leaves it in the cache for the next prompt.
+    kept: bool = False
 
 
 class HostCache:
     """Prompt prefixes pushed out of slots, in host RAM: the same idea as llama-server's
     --cache-ram. Entries are whole sequences (llama_state_seq_get_data), oldest dropped first
-    when over the limit; one that a newer entry contains is dropped as redundant, and an
-    entry restored into a slot leaves the cache (the slot has it now).
+    when over the limit (a checkpoint that serves a prompt counts as new again); one that a
+    newer entry contains is dropped as redundant, except a checkpoint (in a sliding-window
+    model a longer entry keeps only its last window, so it cannot serve the checkpoint's
+    prompts); an entry restored into a slot leaves the cache (the slot has it now), a
+    checkpoint stays.
 
     The buffer of the entry restored last is kept as a spare for the next save: a fresh
     buffer costs more than the copy itself (the kernel zeroes its pages, ctypes zeroes them
@@ -170,19 +176,27 @@ class HostCache:
                 return spare
         return (ctypes.c_uint8 * size)()
 
-    def add(self, tokens: list[int], data: ctypes.Array, size: int | None = None) -> None:
-        """Keep the first `size` bytes of `data` (all of it by default) for `tokens`."""
+    def add(
+        self, tokens: list[int], data: ctypes.Array, size: int | None = None, kept: bool = False
+    ) -> None:
+        """Keep the first `size` bytes of `data` (all of it by default) for `tokens`; `kept`
+        for a checkpoint."""
         held = len(data)
         if held > self.limit:
             return
-        for e in [e for e in self.entries if common_prefix(e.tokens, tokens) == len(e.tokens)]:
+        for e in [
+            e
+            for e in self.entries
+            if common_prefix(e.tokens, tokens) == len(e.tokens)
+            and not (e.kept and len(e.tokens) < len(tokens))
+        ]:
             self._drop(e)  # contained in the new one
         if self.spare is not None and self.bytes + held > self.limit:
             self.bytes -= len(self.spare)
             self.spare = None
         while self.entries and self.bytes + held > self.limit:
             self._drop(self.entries[0])
-        self.entries.append(_Saved(list(tokens), data, held if size is None else size))
+        self.entries.append(_Saved(list(tokens), data, held if size is None else size, kept))
         self.bytes += held
 
     def best(self, tokens: list[int], than: int, n_swa: int) -> tuple[_Saved | None, int]:
@@ -202,7 +216,11 @@ class HostCache:
 
     def take(self, entry: _Saved) -> None:
         """Hand an entry to a slot (after its state was read): it leaves the cache, and
-        its buffer becomes the spare."""
+        its buffer becomes the spare; a checkpoint stays, as the newest entry."""
+        if entry.kept:
+            self.entries.remove(entry)
+            self.entries.append(entry)
+            return
         self._drop(entry)
         if self.spare is not None:
             self.bytes -= len(self.spare)
@@ -257,6 +275,7 @@ class _Sequence:
     new_logprobs: list[tuple] = field(default_factory=list)  # theirs, when asked (logprob())
     grammar: ctypes.c_void_p | None = None  # structured output's grammar sampler, if any
     follows: _Sequence | None = None  # an extra choice waiting for this one's prompt KV
+    checkpoint: int = 0  # prefill position whose state goes to host RAM (_shared_prefix)
     sampled: list[int] = field(default_factory=list)  # every token sampled here
     emitted: int = 0  # pieces emitted
     admitted_at: float = 0.0
@@ -656,6 +675,7 @@ class BatchEngine:
             room = self.context_length - len(req.prompt_tokens)
             limit = min(req.max_tokens, room) if req.max_tokens > 0 else room
             prefill = req.prompt_tokens + req.resume_tokens
+            shared = self._shared_prefix(prefill) if req.cache_prompt else 0
             slot, reused, from_host = self._take_slot(free, prefill, req.cache_prompt)
             seq = _Sequence(
                 req=req,
@@ -669,6 +689,7 @@ class BatchEngine:
                 cached_tokens=min(reused, len(req.prompt_tokens)),
                 host_cached_tokens=min(reused, len(req.prompt_tokens)) if from_host else 0,
                 admitted_at=time.monotonic(),
+                checkpoint=shared if shared - reused >= HOST_CACHE_MIN_TOKENS else 0,
             )
             self.active[req.request_id] = seq
             if req.resume_tokens:
@@ -798,6 +819,38 @@ class BatchEngine:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
         slot.cached, slot.saved = [], False
         return slot, reused, entry is not None and reused > 0
+
+    def _shared_prefix(self, tokens: list[int]) -> int:
+        """Where a new prompt's state should be checkpointed to host RAM: the longest
+        prefix it shares with a slot, a running prompt or a host-RAM entry (a system
+        prompt, say), in a sliding-window model with the window cache; 0 otherwise.
+
+        There a slot keeps only about a window of cells in the sliding-window layers, so
+        once its conversation runs past that, a prompt sharing only its start (the next
+        conversation under the same system prompt) cannot reuse it and is read whole: the
+        window cache's cost beside the full one. The prompt that finds itself sharing such
+        a prefix copies its state at the prefix's end to host RAM as a checkpoint, which
+        serves the prompts after it from any slot (llama-server checkpoints the window
+        per slot, at the start of user messages). Measured in the step that admits it,
+        before its slot is claimed (which may clear what the slot shared)."""
+        if self.n_swa <= 0 or self.swa_full or not self.host.limit:
+            return 0
+        others = [s.cached for s in self.slots if not s.busy]
+        others += [q.prefill for q in self.active.values()]
+        others += [e.tokens for e in self.host.entries]
+        n = max((common_prefix(o, tokens) for o in others), default=0)
+        return min(n, len(tokens) - 1)
+
+    def _checkpoint(self, seq: _Sequence) -> None:
+        """Copy a sequence's state, which holds just its first `seq.checkpoint` tokens, to
+        host RAM as a checkpoint (_shared_prefix)."""
+        n, seq.checkpoint = seq.checkpoint, 0
+        size = L.llama_state_seq_get_size(self.ctx, seq.seq_id)
+        if not size or size > self.host.limit:
+            return
+        data = (ctypes.c_uint8 * size)()
+        if L.llama_state_seq_get_data(self.ctx, data, size, seq.seq_id) == size:
+            self.host.add(seq.prefill[:n], data, size, kept=True)
 
     def _window_holds(self, seq_id: int, n: int) -> bool:
         """Whether a slot's sliding-window cells still hold the window before position n,
@@ -949,14 +1002,18 @@ class BatchEngine:
         # first gives the lowest mean wait). When none fits, the longest waiting prompt
         # takes the budget (a part of a prompt gives no first token, so only one is cut),
         # and long prompts are read in arrival order.
+        # A prompt with a checkpoint to make stops at it, and goes on in the next step.
+        def left(q: _Sequence) -> int:
+            end = q.checkpoint if q.checkpoint > q.prefill_pos else len(q.prefill)
+            return end - q.prefill_pos
+
         for seq in sorted(reading, key=lambda q: len(q.prefill) - q.prefill_pos):
-            left = len(seq.prefill) - seq.prefill_pos
-            if left > cap - n:
+            if left(seq) > cap - n:
                 break
-            take[seq.seq_id] = (seq, left)
-            n += left
+            take[seq.seq_id] = (seq, left(seq))
+            n += left(seq)
         if reading and n == len(decoding) and cap > n:  # none fits whole
-            take[reading[0].seq_id] = (reading[0], cap - n)
+            take[reading[0].seq_id] = (reading[0], min(cap - n, left(reading[0])))
         fillers = self._fill_holes(take)
         n = 0
         for seq_id in sorted(take):
@@ -983,6 +1040,9 @@ class BatchEngine:
         for seq_id, pos in fillers:
             L.llama_memory_seq_rm(self.memory, seq_id, pos, -1)
         if ok:
+            for seq, _ in take.values():
+                if seq is not None and seq.checkpoint and seq.prefill_pos == seq.checkpoint:
+                    self._checkpoint(seq)
             self._sample(events)
 
     def _fill_holes(self, take: dict) -> list[tuple[int, int]]:
