@@ -891,6 +891,33 @@ def test_the_host_cache_drops_the_oldest_and_what_a_newer_entry_contains():
     assert cache.spare is None and [e.tokens for e in cache.entries] == [[7, 8], [4] * 4]
 
 
+def test_a_checkpoint_stays_in_the_host_cache_when_it_serves_and_when_a_longer_entry_comes():
+    """A checkpoint (a kept entry) is not handed over on restore, only made the newest, and
+    a longer entry containing it does not replace it (under the window cache that entry
+    keeps only its last window). Entries still go oldest first when room runs out."""
+    import ctypes
+
+    def data(n):
+        return (ctypes.c_uint8 * n)()
+
+    cache = HostCache(limit_bytes=300)
+    cache.add([1, 2, 3], data(100), kept=True)
+    cache.add([7, 8], data(100))
+    cache.add([1, 2, 3, 4, 5], data(50))  # contains the checkpoint: both stay
+    assert [(e.tokens, e.kept) for e in cache.entries] == [
+        ([1, 2, 3], True),
+        ([7, 8], False),
+        ([1, 2, 3, 4, 5], False),
+    ]
+    checkpoint = cache.entries[0]
+    cache.take(checkpoint)  # restored into a slot
+    assert cache.entries[-1] is checkpoint and cache.spare is None and cache.bytes == 250
+    cache.add([9], data(100))  # no room: the oldest goes, now [7, 8]
+    assert [e.tokens for e in cache.entries] == [[1, 2, 3, 4, 5], [1, 2, 3], [9]]
+    cache.add([1, 2, 3], data(40), kept=True)  # the same prefix again replaces it
+    assert [(e.tokens, len(e.data)) for e in cache.entries if e.kept] == [([1, 2, 3], 40)]
+
+
 def test_common_prefix_finds_the_first_difference():
     import random
 
