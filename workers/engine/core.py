@@ -996,17 +996,18 @@ class BatchEngine:
             cap = N_BATCH if len(reading) == 1 else N_BATCH - self.parallel
         else:
             cap = min(N_BATCH - self.parallel, n + PROMPT_BUDGET)
+
+        # A prompt with a checkpoint to make stops at it, and goes on in the next step.
+        def left(q: _Sequence) -> int:
+            end = q.checkpoint if q.checkpoint > q.prefill_pos else len(q.prefill)
+            return end - q.prefill_pos
+
         # Whole prompts that fit go first, the shortest first: a follow-up turn whose
         # history is cached reads a few tokens and has its first token after this step
         # rather than behind a new conversation's long prompt (shortest remaining work
         # first gives the lowest mean wait). When none fits, the longest waiting prompt
         # takes the budget (a part of a prompt gives no first token, so only one is cut),
         # and long prompts are read in arrival order.
-        # A prompt with a checkpoint to make stops at it, and goes on in the next step.
-        def left(q: _Sequence) -> int:
-            end = q.checkpoint if q.checkpoint > q.prefill_pos else len(q.prefill)
-            return end - q.prefill_pos
-
         for seq in sorted(reading, key=lambda q: len(q.prefill) - q.prefill_pos):
             if left(seq) > cap - n:
                 break
