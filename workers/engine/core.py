@@ -284,6 +284,12 @@ class _Sequence:
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
 
+    def to_read(self) -> int:
+        """Prompt tokens to read before the sequence's next stop: its checkpoint (the
+        prompt goes on in the next step), else the prompt's end."""
+        end = self.checkpoint if self.checkpoint > self.prefill_pos else len(self.prefill)
+        return end - self.prefill_pos
+
 
 class BatchEngine:
     """A model plus one multi-sequence context, stepped by the engine process loop."""
@@ -845,12 +851,7 @@ class BatchEngine:
         """Copy a sequence's state, which holds just its first `seq.checkpoint` tokens, to
         host RAM as a checkpoint (_shared_prefix)."""
         n, seq.checkpoint = seq.checkpoint, 0
-        size = L.llama_state_seq_get_size(self.ctx, seq.seq_id)
-        if not size or size > self.host.limit:
-            return
-        data = (ctypes.c_uint8 * size)()
-        if L.llama_state_seq_get_data(self.ctx, data, size, seq.seq_id) == size:
-            self.host.add(seq.prefill[:n], data, size, kept=True)
+        self._to_host(seq.seq_id, seq.prefill[:n], kept=True)
 
     def _window_holds(self, seq_id: int, n: int) -> bool:
         """Whether a slot's sliding-window cells still hold the window before position n,
@@ -903,12 +904,17 @@ class BatchEngine:
             or self.host.holds(tokens)
         ):
             return
-        size = L.llama_state_seq_get_size(self.ctx, slot.seq_id)
+        self._to_host(slot.seq_id, tokens, most)
+
+    def _to_host(self, seq_id: int, tokens: list[int], most: int = 0, kept: bool = False) -> None:
+        """Copy sequence seq_id's state, which holds `tokens`, to host RAM, unless it is over
+        `most` bytes (given) or the cache's limit: every copy to host RAM goes through here."""
+        size = L.llama_state_seq_get_size(self.ctx, seq_id)
         if not size or size > min(self.host.limit, most or self.host.limit):
             return
         data = self.host.buffer(size)
-        if L.llama_state_seq_get_data(self.ctx, data, size, slot.seq_id) == size:
-            self.host.add(tokens, data, size)
+        if L.llama_state_seq_get_data(self.ctx, data, size, seq_id) == size:
+            self.host.add(tokens, data, size, kept)
 
     def _resume(self, seq: _Sequence, events: list[Token | Done | Error]) -> None:
         """Take over a generation: its tokens count as generated, unsent text is sent."""
@@ -997,11 +1003,6 @@ class BatchEngine:
         else:
             cap = min(N_BATCH - self.parallel, n + PROMPT_BUDGET)
 
-        # A prompt with a checkpoint to make stops at it, and goes on in the next step.
-        def left(q: _Sequence) -> int:
-            end = q.checkpoint if q.checkpoint > q.prefill_pos else len(q.prefill)
-            return end - q.prefill_pos
-
         # Whole prompts that fit go first, the shortest first: a follow-up turn whose
         # history is cached reads a few tokens and has its first token after this step
         # rather than behind a new conversation's long prompt (shortest remaining work
@@ -1009,12 +1010,13 @@ class BatchEngine:
         # takes the budget (a part of a prompt gives no first token, so only one is cut),
         # and long prompts are read in arrival order.
         for seq in sorted(reading, key=lambda q: len(q.prefill) - q.prefill_pos):
-            if left(seq) > cap - n:
+            left = seq.to_read()
+            if left > cap - n:
                 break
-            take[seq.seq_id] = (seq, left(seq))
-            n += left(seq)
+            take[seq.seq_id] = (seq, left)
+            n += left
         if reading and n == len(decoding) and cap > n:  # none fits whole
-            take[reading[0].seq_id] = (reading[0], min(cap - n, left(reading[0])))
+            take[reading[0].seq_id] = (reading[0], min(cap - n, reading[0].to_read()))
         fillers = self._fill_holes(take)
         n = 0
         for seq_id in sorted(take):
