@@ -767,6 +767,67 @@ async def multi_turn(targets: list[Target], rounds: int, turns: int = 6, tokens:
     return out
 
 
+def document(nonce: str) -> str:
+    """About 700 tokens of notes for a user to paste and ask about."""
+    lines = [f"Notes for the staff meeting ({nonce}):"]
+    lines += [
+        f"{i + 1}. On {TOPICS[i % len(TOPICS)]}: staff should {RULES[(3 * i) % len(RULES)]}."
+        for i in range(40)
+    ]
+    return "\n".join(lines)
+
+
+async def long_chat(targets: list[Target], rounds: int) -> dict:
+    """What a chat's user does after a long last turn: goes on (the next question),
+    regenerates the answer (the same prompt again), or edits the last message (the prompt
+    differs from that message on), each in a conversation of its own whose last turn and
+    answer hold more than a sliding window (gemma-3's 512 tokens): a pasted document to
+    summarise, or a long story. With the window cache a slot then no longer holds the
+    window from before that turn, so the last two read the whole history again, unless a
+    checkpoint of the window was kept (llama-server keeps them per slot)."""
+    kinds = ("next_turn", "regenerate", "edit_last_message")
+    rows = {t.name: {k: {"ttft": [], "cached": [], "prompt": []} for k in kinds} for t in targets}
+    async with http_client() as client:
+        for r in range(rounds):
+            for t in alternate(targets, r):
+                for kind in kinds:
+                    nonce = f"long {r} {kind} {t.name}"
+                    messages = [{"role": "system", "content": system_prompt(nonce)}]
+                    for k in range(2):
+                        messages += story(k, nonce)
+                        res = await chat(client, t, messages, 64)
+                        messages.append({"role": "assistant", "content": res["text"]})
+                    if kind == "regenerate":
+                        messages += story(2, nonce)
+                        res = await chat(client, t, messages, 640)
+                    else:
+                        ask = "Summarise these notes in three sentences."
+                        messages.append({"role": "user", "content": f"{document(nonce)}\n{ask}"})
+                        res = await chat(client, t, messages, 64)
+                    messages.append({"role": "assistant", "content": res["text"]})
+                    if kind == "next_turn":
+                        messages += story(3, nonce)
+                    elif kind == "regenerate":
+                        messages = messages[:-1]
+                    else:
+                        edited = f"{document(nonce + ' revised')}\nList the three main points."
+                        messages = messages[:-2] + [{"role": "user", "content": edited}]
+                    res = await chat(client, t, messages, 8)
+                    v = rows[t.name][kind]
+                    v["ttft"].append(res["ttft"])
+                    v["cached"].append(res["cached_tokens"])
+                    v["prompt"].append(res["prompt_tokens"])
+    out = {"rounds": rounds}
+    for name, by_kind in rows.items():
+        out[name] = {}
+        for kind, v in by_kind.items():
+            out[name][f"{kind}_ttft_ms"] = 1000 * med(v["ttft"])
+            out[name][f"{kind}_prompt_tokens"] = med(v["prompt"])
+            out[name][f"{kind}_cached_tokens"] = med(v["cached"])
+    out["ratio"] = ratios(out["llamafleet"], out["llama_server"])
+    return out
+
+
 #: The bench stack's agent takes LLAMAFLEET_AGENT_FLASH_ATTN from this environment.
 FLASH_ATTN = os.environ.get("LLAMAFLEET_AGENT_FLASH_ATTN", "auto")
 #: The bench's deployment's swa_cache (window, the default: llama-server's own cache).
@@ -1136,6 +1197,7 @@ async def compare(args, model_path: Path, catalog_name: str, only) -> dict:
             ("short_requests", lambda: short_requests([fleet, server], 3)),
             ("multi_turn_chat", lambda: multi_turn([fleet, server], max(args.rounds // 2, 2))),
             (many_name(), lambda: many_conversations([fleet, server], 2)),
+            ("long_chat", lambda: long_chat([fleet, server], max(args.rounds // 2, 2))),
         ):
             if only is None or name.removesuffix("_no_host_cache") in only:
                 result[name] = await run()
@@ -1225,6 +1287,10 @@ HEADLINES = {
     },
     "multi_turn_chat": {"later_turns_ttft_ratio": "ratio.later_turns_median_ttft_ms"},
     "many_conversations": {"later_turns_ttft_ratio": "ratio.later_turns_median_ttft_ms"},
+    "long_chat": {
+        f"{kind}_ttft_ratio": f"ratio.{kind}_ttft_ms"
+        for kind in ("next_turn", "regenerate", "edit_last_message")
+    },
     **{
         part: {
             f"{short}_{name}{suffix}": f"{workload}.prefix_over_{baseline}.{key}"
@@ -1272,7 +1338,7 @@ def main() -> None:
         "--only",
         default="",
         help="single_stream,concurrent_8,short_requests,multi_turn_chat,many_conversations,"
-        "routing,routing_reading,failover",
+        "long_chat,routing,routing_reading,failover",
     )
     parser.add_argument("--keep", action="store_true", help="leave the bench stack running")
     parser.add_argument(
@@ -1297,6 +1363,7 @@ def main() -> None:
             "short_requests",
             "multi_turn_chat",
             "many_conversations",
+            "long_chat",
         }:
             model_path = start_stack(catalog_name)
             result.update(asyncio.run(compare(args, model_path, catalog_name, only)))

@@ -58,6 +58,16 @@ TARGETS = [
     ),
     ("multi_turn_chat", "later_turns_ttft_ratio", "6-turn chat, TTFT of turns 2-6", at_most(1.2)),
     ("many_conversations", "later_turns_ttft_ratio", "16 chats on 8 slots, TTFT", NO_TARGET),
+    # A conversation whose last turn ran past a sliding window, then the next question,
+    # the answer regenerated, or the last message edited (bench/serving.py's long_chat).
+    *(
+        ("long_chat", f"{kind}_ttft_ratio", f"long chat, {label}: TTFT", NO_TARGET)
+        for kind, label in (
+            ("next_turn", "the next question"),
+            ("regenerate", "the long answer regenerated"),
+            ("edit_last_message", "the last message edited"),
+        )
+    ),
     # The routing parts at each pace: users pausing 0.2-1.5 s between turns (busy), and
     # 4-10 s (bench/serving.py's READING).
     *(

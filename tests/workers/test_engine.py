@@ -814,17 +814,18 @@ def test_a_shared_system_prompt_survives_the_window_cache_as_a_checkpoint(gemma_
             messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
             return chat_tokens(e, messages, GEMMA_CHAT_TEMPLATE)
 
-        a, d = conversation("Notes on owls. " * 230), conversation("Notes on trains. " * 230)
-        b, c = conversation("Why is the sky blue?"), conversation("What do ships carry?")
+        a = conversation("Notes on owls. " * 230)
+        b = conversation("Why is the sky blue? " + "Notes on trains. " * 230)
+        c = conversation("What do ships carry?")
         prefix = common_prefix(b, c)
-        assert prefix > 100 and common_prefix(a, b) == common_prefix(d, c) == prefix
+        assert prefix > 100 and common_prefix(a, b) == prefix
         run(e, [Request("a", a, 4, GREEDY)])
         assert L.llama_memory_seq_pos_min(e.memory, 0) > 0  # a's start left the window
         _, done, _ = run(e, [Request("b", b, 4, GREEDY)])
         assert done["b"].usage["cached_tokens"] == 0  # read whole, as before
         assert [(len(x.tokens), x.kept) for x in e.host.entries] == [(prefix, True)]
-        run(e, [Request("d", d, 4, GREEDY)])  # b's slot: now both slots ran past the window
-        assert L.llama_memory_seq_pos_min(e.memory, 1) > 0
+        assert L.llama_memory_seq_pos_min(e.memory, 1) > 0  # both slots ran past the window
+        assert not e.slots[0].checkpoints and not e.slots[1].checkpoints  # none reused
         texts, done, errors = run(e, [Request("c", c, 16, GREEDY)])
         assert not errors
         assert done["c"].usage["cached_tokens"] == done["c"].usage["host_cached_tokens"] == prefix
@@ -833,6 +834,94 @@ def test_a_shared_system_prompt_survives_the_window_cache_as_a_checkpoint(gemma_
         assert texts["c"] == solo["solo"]
     finally:
         e.close()
+
+
+def test_an_edited_last_message_restores_the_slots_window_checkpoint(gemma_path):
+    """With the window cache a slot whose last turn ran a window past its start no longer
+    holds the window before that turn, so a prompt that goes back there (the last message
+    edited, the answer regenerated) was read whole. A slot that goes on with its own
+    tokens first copies its window's cells; such a prompt restores them and reads only
+    what follows, with the text of a run without cache."""
+    import llama_cpp as L
+
+    e = BatchEngine(str(gemma_path), context_length=2048, parallel=2, threads=2, swa_full=False)
+    try:
+        history = gemma_turn(e, "You are the careful reading assistant of the city library. " * 8)
+        first = gemma_turn(e, "Notes on owls and their habits. " * 180)
+        edited = gemma_turn(e, "Notes on trains and their timetables. " * 160)
+        run(e, [Request("h", history, 4, GREEDY)])
+        _, done, _ = run(e, [Request("first", history + first, 4, GREEDY)])
+        assert done["first"].usage["cached_tokens"] == len(history)
+        slot = next(s for s in e.slots if len(s.cached) > len(history) + len(first))
+        assert [c.n for c in slot.checkpoints] == [len(history)]
+        assert L.llama_memory_seq_pos_min(e.memory, slot.seq_id) > 0  # the window is gone
+        assert not e._window_holds(slot.seq_id, len(history))
+        texts, done, errors = run(e, [Request("edited", history + edited, 16, GREEDY)])
+        assert not errors
+        n = common_prefix(history + first, history + edited)
+        assert done["edited"].usage["cached_tokens"] == len(history) < n < len(history) + 8
+        assert done["edited"].usage["host_cached_tokens"] == 0  # the slot's own checkpoint
+        assert [c.n for c in slot.checkpoints] == [len(history)]
+        solo, _, _ = run(e, [Request("solo", history + edited, 16, GREEDY, cache_prompt=False)])
+        assert texts["edited"] == solo["solo"]
+    finally:
+        e.close()
+
+
+def test_a_regenerated_long_answer_restores_the_slots_window_checkpoint(gemma_path):
+    """The same for an answer regenerated after it ran a window past its prompt: the
+    window that held the prompt's reused start is copied before the prompt's new tokens
+    are read (llama.cpp reused its cells within the answer when the copy came later)."""
+    from apps.catalog.sources import GEMMA_CHAT_TEMPLATE
+
+    e = BatchEngine(str(gemma_path), context_length=2048, parallel=2, threads=2, swa_full=False)
+    try:
+        system = "You are the careful reading assistant of the city library. " * 40
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Write a long story about a dragon."},
+        ]
+        texts, _, _ = run(
+            e, [Request("1", chat_tokens(e, messages, GEMMA_CHAT_TEMPLATE), 64, GREEDY)]
+        )
+        messages += [
+            {"role": "assistant", "content": texts["1"]},
+            {"role": "user", "content": "Write a long story about a city under the ice."},
+        ]
+        prompt = chat_tokens(e, messages, GEMMA_CHAT_TEMPLATE)
+        _, done, _ = run(e, [Request("2", prompt, 640, GREEDY)])
+        reused = done["2"].usage["cached_tokens"]
+        assert reused > 400 and done["2"].usage["completion_tokens"] > 600
+        slot = next(s for s in e.slots if s.cached)
+        assert [c.n for c in slot.checkpoints] == [reused]
+        assert not e._window_holds(slot.seq_id, len(prompt) - 1)  # the answer ran past it
+        texts, done, errors = run(e, [Request("again", prompt, 16, GREEDY)])
+        assert not errors and done["again"].usage["cached_tokens"] == reused
+        solo, _, _ = run(e, [Request("solo", prompt, 16, GREEDY, cache_prompt=False)])
+        assert texts["again"] == solo["solo"]
+    finally:
+        e.close()
+
+
+def test_window_checkpoints_count_against_the_host_cache_and_make_room_in_it():
+    import ctypes
+
+    def data(n):
+        return (ctypes.c_uint8 * n)()
+
+    cache = HostCache(limit_bytes=300)
+    cache.add([1, 2, 3], data(100))
+    cache.add([4, 5, 6], data(100))
+    assert cache.reserve(150) and cache.bytes == 250  # the oldest entry made room
+    assert [e.tokens for e in cache.entries] == [[4, 5, 6]]
+    assert not cache.reserve(200) and cache.bytes == 250  # beside the first: no room
+    cache.add([7, 8, 9], data(200))  # likewise, and nothing is dropped for it
+    assert [e.tokens for e in cache.entries] == [[4, 5, 6]] and cache.bytes == 250
+    cache.add([1], data(100))  # an entry that fits beside it takes the oldest's place
+    assert [e.tokens for e in cache.entries] == [[1]] and cache.bytes == 250
+    cache.release(150)
+    cache.add([7, 8, 9], data(200))
+    assert [e.tokens for e in cache.entries] == [[1], [7, 8, 9]] and cache.bytes == 300
 
 
 def test_the_invariant_mode_keeps_the_full_window_cache(gemma_path):

@@ -61,6 +61,13 @@ HOST_CACHE_MIN_TOKENS = 32
 #: it, and 64 MiB took about 40 ms here. A larger sequence is copied when a request takes
 #: its slot, as before.
 SAVE_AHEAD_BYTES = 64 << 20
+#: Window checkpoints a slot keeps (_WindowCheckpoint), the oldest dropped first: the
+#: latest turns' starts of its conversation. Each holds the sliding-window layers' cells of
+#: one sequence (gemma-3-270m: up to 16 MiB) and counts against the host-RAM cache's limit;
+#: llama-server keeps up to 32 per slot.
+SLOT_CHECKPOINTS = 3
+#: The part of a sequence's state a window checkpoint copies: the sliding-window layers'.
+STATE_PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 #: Flash attention settings (the agent's --flash-attn), as llama-server's -fa takes them.
 FLASH_ATTN_AUTO, FLASH_ATTN_ON, FLASH_ATTN_OFF = FLASH_ATTN_MODES
 
@@ -119,6 +126,18 @@ class Request:
 
 
 @dataclass
+class _WindowCheckpoint:
+    """A slot's sliding-window cells when its sequence held its first `n` tokens (the first
+    `size` bytes of `data`): restored over the slot's own, with the cells of the other
+    layers cut back to n, the slot holds those n tokens again (llama-server's context
+    checkpoints)."""
+
+    n: int
+    data: ctypes.Array
+    size: int
+
+
+@dataclass
 class _Slot:
     """One of the context's sequence ids, and the tokens its KV cache holds between requests."""
 
@@ -127,6 +146,7 @@ class _Slot:
     last_used: float = 0.0
     busy: bool = False
     saved: bool = False  # save_ahead has taken `cached` in hand (copied, or not worth it)
+    checkpoints: list[_WindowCheckpoint] = field(default_factory=list)  # oldest first
 
 
 @dataclass
@@ -153,7 +173,8 @@ class HostCache:
 
     The buffer of the entry restored last is kept as a spare for the next save: a fresh
     buffer costs more than the copy itself (the kernel zeroes its pages, ctypes zeroes them
-    again), and a save usually comes right before a restore. `bytes` counts the spare too.
+    again), and a save usually comes right before a restore. `bytes` counts the spare too,
+    and the slots' window checkpoints (reserve).
     """
 
     def __init__(self, limit_bytes: int):
@@ -182,8 +203,8 @@ class HostCache:
         """Keep the first `size` bytes of `data` (all of it by default) for `tokens`; `kept`
         for a checkpoint."""
         held = len(data)
-        if held > self.limit:
-            return
+        if self._checkpoint_bytes() + held > self.limit:
+            return  # window checkpoints hold the rest (reserve)
         for e in [
             e
             for e in self.entries
@@ -198,6 +219,29 @@ class HostCache:
             self._drop(self.entries[0])
         self.entries.append(_Saved(list(tokens), data, held if size is None else size, kept))
         self.bytes += held
+
+    def reserve(self, size: int) -> bool:
+        """Count `size` bytes held beside the entries (a slot's window checkpoint), making
+        room by letting the spare go, then the oldest entries; False, dropping nothing, when
+        the other checkpoints leave none."""
+        if self._checkpoint_bytes() + size > self.limit:
+            return False
+        if self.spare is not None and self.bytes + size > self.limit:
+            self.bytes -= len(self.spare)
+            self.spare = None
+        while self.entries and self.bytes + size > self.limit:
+            self._drop(self.entries[0])
+        self.bytes += size
+        return True
+
+    def release(self, size: int) -> None:
+        """Stop counting bytes that reserve counted."""
+        self.bytes -= size
+
+    def _checkpoint_bytes(self) -> int:
+        """What reserve counts: all but the entries and the spare."""
+        spare = len(self.spare) if self.spare is not None else 0
+        return self.bytes - spare - sum(len(e.data) for e in self.entries)
 
     def best(self, tokens: list[int], than: int, n_swa: int) -> tuple[_Saved | None, int]:
         """The entry sharing the longest prefix with `tokens`, if longer than `than`, and
@@ -398,6 +442,8 @@ class BatchEngine:
         # Not for splits: a saved state would be read from the stages' KV over the network.
         self.host = HostCache(0 if self.invariant or rpc_servers else host_cache_bytes)
         self.n_swa = L.llama_model_n_swa(self.model)
+        # Slots keep window checkpoints (_checkpoint_window) under the window cache only.
+        self.window_checkpoints = self.n_swa > 0 and not self.swa_full and self.host.limit > 0
         self.waiting: deque[Request] = deque()
         self.active: dict[str, _Sequence] = {}
         #: Short prompts beside running streams get a step of their own (_step_throughput);
@@ -682,7 +728,8 @@ class BatchEngine:
             limit = min(req.max_tokens, room) if req.max_tokens > 0 else room
             prefill = req.prompt_tokens + req.resume_tokens
             shared = self._shared_prefix(prefill) if req.cache_prompt else 0
-            slot, reused, from_host = self._take_slot(free, prefill, req.cache_prompt)
+            grows_to = len(prefill) + limit - len(req.resume_tokens)
+            slot, reused, from_host = self._take_slot(free, prefill, req.cache_prompt, grows_to)
             seq = _Sequence(
                 req=req,
                 seq_id=slot.seq_id,
@@ -755,10 +802,11 @@ class BatchEngine:
                 seq.batch_index = first.batch_index
 
     def _take_slot(
-        self, free: list[_Slot], tokens: list[int], reuse: bool
+        self, free: list[_Slot], tokens: list[int], reuse: bool, grows_to: int = 0
     ) -> tuple[_Slot, int, bool]:
         """The free slot to use for a prompt, how many of its tokens that slot's KV holds,
-        and whether they came from host RAM.
+        and whether they came from host RAM (grows_to: the most tokens the sequence may
+        come to hold, for _claim).
 
         The free slot sharing the longest prefix with the prompt is the source. The prompt
         either continues in that slot, cutting the cache's tail that differs, or goes to the
@@ -768,7 +816,9 @@ class BatchEngine:
         conversation stays where its history is. A host-RAM entry that shares more than
         every free slot is restored into that least valuable slot instead. At least the last
         token is evaluated again: its logits give the first new token. In a sliding-window
-        model a slot offers only a prefix whose window it still holds (_window_holds).
+        model a slot offers only a prefix whose window it still holds (_window_holds), or
+        the longest one a window checkpoint of its own gives back (a regenerated answer, an
+        edited last question); the prompt then continues in that slot.
 
         A restore writes the slot's data at once, while a copy between KV streams moves
         data at the next decode: a restore into the source of a copy made for another
@@ -779,33 +829,52 @@ class BatchEngine:
         dst = min(free, key=_least_valuable)
         if self.invariant or not reuse:
             return self._claim(dst, None, 0)
-        shared = {id(s): common_prefix(s.cached, tokens) for s in free}
+        copying = self._copy_from | self._copy_to
+        shared = {id(s): min(common_prefix(s.cached, tokens), len(tokens) - 1) for s in free}
+        back: dict[int, _WindowCheckpoint] = {}  # slots that reuse through a checkpoint
         for s in free:
-            if not self._window_holds(s.seq_id, min(shared[id(s)], len(tokens) - 1)):
-                shared[id(s)] = 0
+            if self._window_holds(s.seq_id, shared[id(s)]):
+                continue
+            usable = [c for c in s.checkpoints if c.n <= shared[id(s)]]
+            if usable and s.seq_id not in copying:  # a restore writes at once (above)
+                back[id(s)] = max(usable, key=lambda c: c.n)
+            shared[id(s)] = back[id(s)].n if id(s) in back else 0
         src = max(free, key=lambda s: (shared[id(s)], -s.last_used))
-        n = min(shared[id(src)], len(tokens) - 1)
+        n = shared[id(src)]
         entry, n_host = self.host.best(tokens[:-1], n, self.n_swa)
         if entry is not None:
-            copying = self._copy_from | self._copy_to
             spare = [s for s in free if s.seq_id not in copying]
             if spare:
-                return self._claim(min(spare, key=_least_valuable), None, n_host, entry)
+                slot = min(spare, key=_least_valuable)
+                return self._claim(slot, None, n_host, entry, grows_to=grows_to)
         if not n:
             return self._claim(dst, None, 0)
-        if dst is src or len(src.cached) - n <= len(dst.cached):
-            return self._claim(src, None, n)
-        return self._claim(dst, src, n)
+        if dst is src or id(src) in back or len(src.cached) - n <= len(dst.cached):
+            return self._claim(src, None, n, checkpoint=back.get(id(src)), grows_to=grows_to)
+        return self._claim(dst, src, n, grows_to=grows_to)
 
     def _claim(
-        self, slot: _Slot, src: _Slot | None, reused: int, entry: _Saved | None = None
+        self,
+        slot: _Slot,
+        src: _Slot | None,
+        reused: int,
+        entry: _Saved | None = None,
+        checkpoint: _WindowCheckpoint | None = None,
+        grows_to: int = 0,
     ) -> tuple[_Slot, int, bool]:
-        """Make `slot` hold the first `reused` tokens: its own, copied from slot src, or
-        restored from a host-RAM entry. What of its own cache this throws away is copied to
-        host RAM first."""
+        """Make `slot` hold the first `reused` tokens: its own (back to a window checkpoint
+        of its own, given one), copied from slot src, or restored from a host-RAM entry.
+        What of its own cache this throws away is copied to host RAM first. Where its
+        sequence may come to hold more than a window (grows_to), the window that holds the
+        reused tokens is checkpointed first (_checkpoint_window)."""
         slot.busy = True
         mem, seq = self.memory, slot.seq_id
-        self._save(slot, reused if src is None and entry is None else 0)
+        in_place = src is None and entry is None
+        self._save(slot, reused if in_place else 0)
+        if checkpoint is not None:
+            data, size = checkpoint.data, checkpoint.size
+            if L.llama_state_seq_set_data_ext(self.ctx, data, size, seq, STATE_PARTIAL) != size:
+                reused = 0
         if src is not None:
             # Across KV streams llama.cpp copies whole streams only (at the next decode);
             # the tail beyond the shared prefix is cut after.
@@ -824,7 +893,60 @@ class BatchEngine:
         if not reused:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
         slot.cached, slot.saved = [], False
+        dropped = self._drop_checkpoints(slot, reused if in_place else 0)
+        if reused and grows_to > self.n_swa:
+            self._checkpoint_window(slot, reused, slot if src is None else src, dropped)
         return slot, reused, entry is not None and reused > 0
+
+    def _drop_checkpoints(self, slot: _Slot, keep: int) -> list[ctypes.Array]:
+        """Let a slot's window checkpoints past its first `keep` tokens go (and their bytes
+        from the host cache's count): its cache no longer holds what they stand for.
+        Returns their buffers, for the slot's next checkpoint."""
+        gone = [c.data for c in slot.checkpoints if c.n > keep]
+        for data in gone:
+            self.host.release(len(data))
+        slot.checkpoints = [c for c in slot.checkpoints if c.n <= keep]
+        return gone
+
+    def _checkpoint_window(
+        self, slot: _Slot, n: int, source: _Slot, spares: list[ctypes.Array]
+    ) -> None:
+        """Keep the sliding-window cells that hold a slot's first n tokens before it reads
+        more: read from `source` (the slot itself, or the one whose stream is copied into
+        it at the next decode; cells past n go when restored), unless a checkpoint of n is
+        there. From the first token past n llama.cpp may reuse those cells (it did within
+        a 640-token answer here), and a prompt that goes back to n (the answer regenerated,
+        the last message edited) would read the whole history again. llama-server
+        checkpoints a slot at the start of each prompt's last user message; a
+        conversation's next prompt starts its new tokens about there.
+
+        A buffer of a checkpoint let go (spares, or the slot's oldest when it holds
+        SLOT_CHECKPOINTS) is reused where it fits: a fresh one took 4-9 ms for 4-8 MiB
+        here (the kernel's and ctypes' zeroing), the copy into a used one about 1 ms."""
+        if (
+            not self.window_checkpoints
+            or n < HOST_CACHE_MIN_TOKENS
+            or source.seq_id in self._copy_to  # its data comes at the next decode
+            or any(c.n == n for c in slot.checkpoints)
+        ):
+            return
+        seq = source.seq_id
+        size = L.llama_state_seq_get_size_ext(self.ctx, seq, STATE_PARTIAL)
+        if not size:
+            return
+        if len(slot.checkpoints) >= SLOT_CHECKPOINTS:
+            old = slot.checkpoints.pop(0)
+            self.host.release(len(old.data))
+            spares = [*spares, old.data]
+        data = next((b for b in spares if size <= len(b) <= 2 * size), None)
+        held = len(data) if data is not None else size
+        if not self.host.reserve(held):
+            return
+        data = data if data is not None else (ctypes.c_uint8 * size)()
+        if L.llama_state_seq_get_data_ext(self.ctx, data, size, seq, STATE_PARTIAL) == size:
+            slot.checkpoints.append(_WindowCheckpoint(n, data, size))
+        else:
+            self.host.release(held)
 
     def _shared_prefix(self, tokens: list[int]) -> int:
         """Where a new prompt's state should be checkpointed to host RAM: the longest
@@ -1234,6 +1356,7 @@ class BatchEngine:
             slot.cached = (seq.prefill + seq.sampled)[: seq.n_past]
         else:
             slot.cached = []
+            self._drop_checkpoints(slot, 0)
             L.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
         L.llama_sampler_free(seq.sampler)
         if seq.grammar is not None:
