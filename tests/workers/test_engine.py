@@ -81,6 +81,15 @@ def gemma_turn(engine, text):
 
 
 GREEDY = Sampling(temperature=0)
+
+
+def data(n):
+    """A host-RAM buffer of n bytes, as the engine's saves make them (HostCache tests)."""
+    import ctypes
+
+    return (ctypes.c_uint8 * n)()
+
+
 #: Story subjects for tests that run many prompts at once.
 STORY_TOPICS = [
     "a dragon who learns to sail",
@@ -904,11 +913,6 @@ def test_a_regenerated_long_answer_restores_the_slots_window_checkpoint(gemma_pa
 
 
 def test_window_checkpoints_count_against_the_host_cache_and_make_room_in_it():
-    import ctypes
-
-    def data(n):
-        return (ctypes.c_uint8 * n)()
-
     cache = HostCache(limit_bytes=300)
     cache.add([1, 2, 3], data(100))
     cache.add([4, 5, 6], data(100))
@@ -935,11 +939,6 @@ def test_the_invariant_mode_keeps_the_full_window_cache(gemma_path):
 
 
 def test_the_host_cache_drops_the_oldest_and_what_a_newer_entry_contains():
-    import ctypes
-
-    def data(n):
-        return (ctypes.c_uint8 * n)()
-
     cache = HostCache(limit_bytes=300)
     cache.add([1, 2, 3], data(100))
     cache.add([1, 2, 3, 4, 5], data(100))  # contains the first: it goes
@@ -984,11 +983,6 @@ def test_a_checkpoint_stays_in_the_host_cache_when_it_serves_and_when_a_longer_e
     """A checkpoint (a kept entry) is not handed over on restore, only made the newest, and
     a longer entry containing it does not replace it (under the window cache that entry
     keeps only its last window). Entries still go oldest first when room runs out."""
-    import ctypes
-
-    def data(n):
-        return (ctypes.c_uint8 * n)()
-
     cache = HostCache(limit_bytes=300)
     cache.add([1, 2, 3], data(100), kept=True)
     cache.add([7, 8], data(100))
