@@ -193,7 +193,7 @@ class HostCache:
         spare, self.spare = self.spare, None
         if spare is not None:
             self.bytes -= len(spare)
-            if size <= len(spare) <= 2 * size:
+            if fits(spare, size):
                 return spare
         return (ctypes.c_uint8 * size)()
 
@@ -212,11 +212,7 @@ class HostCache:
             and not (e.kept and len(e.tokens) < len(tokens))
         ]:
             self._drop(e)  # contained in the new one
-        if self.spare is not None and self.bytes + held > self.limit:
-            self.bytes -= len(self.spare)
-            self.spare = None
-        while self.entries and self.bytes + held > self.limit:
-            self._drop(self.entries[0])
+        self._make_room(held)
         self.entries.append(_Saved(list(tokens), data, held if size is None else size, kept))
         self.bytes += held
 
@@ -226,17 +222,21 @@ class HostCache:
         the other checkpoints leave none."""
         if self._checkpoint_bytes() + size > self.limit:
             return False
-        if self.spare is not None and self.bytes + size > self.limit:
-            self.bytes -= len(self.spare)
-            self.spare = None
-        while self.entries and self.bytes + size > self.limit:
-            self._drop(self.entries[0])
+        self._make_room(size)
         self.bytes += size
         return True
 
     def release(self, size: int) -> None:
         """Stop counting bytes that reserve counted."""
         self.bytes -= size
+
+    def _make_room(self, size: int) -> None:
+        """Let the spare go, then the oldest entries, until `size` more bytes fit."""
+        if self.spare is not None and self.bytes + size > self.limit:
+            self.bytes -= len(self.spare)
+            self.spare = None
+        while self.entries and self.bytes + size > self.limit:
+            self._drop(self.entries[0])
 
     def _checkpoint_bytes(self) -> int:
         """What reserve counts: all but the entries and the spare."""
@@ -274,6 +274,12 @@ class HostCache:
     def _drop(self, entry: _Saved) -> None:
         self.entries.remove(entry)
         self.bytes -= len(entry.data)
+
+
+def fits(buffer: ctypes.Array, size: int) -> bool:
+    """Whether a used buffer serves a state of `size` bytes without wasting more than half
+    of itself (reusing one spares the zeroing of fresh pages)."""
+    return size <= len(buffer) <= 2 * size
 
 
 def _least_valuable(slot: _Slot) -> tuple[bool, float]:
@@ -938,7 +944,7 @@ class BatchEngine:
             old = slot.checkpoints.pop(0)
             self.host.release(len(old.data))
             spares = [*spares, old.data]
-        data = next((b for b in spares if size <= len(b) <= 2 * size), None)
+        data = next((b for b in spares if fits(b, size)), None)
         held = len(data) if data is not None else size
         if not self.host.reserve(held):
             return
