@@ -834,7 +834,8 @@ def test_a_shared_system_prompt_survives_the_window_cache_as_a_checkpoint(gemma_
         assert done["b"].usage["cached_tokens"] == 0  # read whole, as before
         assert [(len(x.tokens), x.kept) for x in e.host.entries] == [(prefix, True)]
         assert L.llama_memory_seq_pos_min(e.memory, 1) > 0  # both slots ran past the window
-        assert not e.slots[0].checkpoints and not e.slots[1].checkpoints  # none reused
+        # Each slot checkpointed only its prompt's end (nothing reused); c cannot use them.
+        assert sorted(c.n for s in e.slots for c in s.checkpoints) == sorted([len(a), len(b)])
         texts, done, errors = run(e, [Request("c", c, 16, GREEDY)])
         assert not errors
         assert done["c"].usage["cached_tokens"] == done["c"].usage["host_cached_tokens"] == prefix
@@ -853,7 +854,9 @@ def test_an_edited_last_message_restores_the_slots_window_checkpoint(gemma_path)
     what follows, with the text of a run without cache."""
     import llama_cpp as L
 
-    e = BatchEngine(str(gemma_path), context_length=2048, parallel=2, threads=2, swa_full=False)
+    # One slot: with two, the edited prompt went to the other, which still held the history
+    # (the first prompt had been copied away from it), and no checkpoint was needed.
+    e = BatchEngine(str(gemma_path), context_length=2048, parallel=1, threads=2, swa_full=False)
     try:
         history = gemma_turn(e, "You are the careful reading assistant of the city library. " * 8)
         first = gemma_turn(e, "Notes on owls and their habits. " * 180)
@@ -861,8 +864,8 @@ def test_an_edited_last_message_restores_the_slots_window_checkpoint(gemma_path)
         run(e, [Request("h", history, 4, GREEDY)])
         _, done, _ = run(e, [Request("first", history + first, 4, GREEDY)])
         assert done["first"].usage["cached_tokens"] == len(history)
-        slot = next(s for s in e.slots if len(s.cached) > len(history) + len(first))
-        assert [c.n for c in slot.checkpoints] == [len(history)]
+        slot = e.slots[0]
+        assert [c.n for c in slot.checkpoints] == [len(history), len(history + first)]
         assert L.llama_memory_seq_pos_min(e.memory, slot.seq_id) > 0  # the window is gone
         assert not e._window_holds(slot.seq_id, len(history))
         texts, done, errors = run(e, [Request("edited", history + edited, 16, GREEDY)])
@@ -870,7 +873,8 @@ def test_an_edited_last_message_restores_the_slots_window_checkpoint(gemma_path)
         n = common_prefix(history + first, history + edited)
         assert done["edited"].usage["cached_tokens"] == len(history) < n < len(history) + 8
         assert done["edited"].usage["host_cached_tokens"] == 0  # the slot's own checkpoint
-        assert [c.n for c in slot.checkpoints] == [len(history)]
+        # The first prompt's end went with it; the edited prompt's end is checkpointed.
+        assert [c.n for c in slot.checkpoints] == [len(history), len(history + edited)]
         solo, _, _ = run(e, [Request("solo", history + edited, 16, GREEDY, cache_prompt=False)])
         assert texts["edited"] == solo["solo"]
     finally:
@@ -879,8 +883,9 @@ def test_an_edited_last_message_restores_the_slots_window_checkpoint(gemma_path)
 
 def test_a_regenerated_long_answer_restores_the_slots_window_checkpoint(gemma_path):
     """The same for an answer regenerated after it ran a window past its prompt: the
-    window that held the prompt's reused start is copied before the prompt's new tokens
-    are read (llama.cpp reused its cells within the answer when the copy came later)."""
+    window is copied where the prompt's new tokens begin, before they are read (llama.cpp
+    reused its cells within the answer when the copy came later), and where the prompt
+    ends, before the answer; the same prompt again reads only its last token."""
     from apps.catalog.sources import GEMMA_CHAT_TEMPLATE
 
     e = BatchEngine(str(gemma_path), context_length=2048, parallel=2, threads=2, swa_full=False)
@@ -890,9 +895,8 @@ def test_a_regenerated_long_answer_restores_the_slots_window_checkpoint(gemma_pa
             {"role": "system", "content": system},
             {"role": "user", "content": "Write a long story about a dragon."},
         ]
-        texts, _, _ = run(
-            e, [Request("1", chat_tokens(e, messages, GEMMA_CHAT_TEMPLATE), 64, GREEDY)]
-        )
+        first = chat_tokens(e, messages, GEMMA_CHAT_TEMPLATE)
+        texts, _, _ = run(e, [Request("1", first, 64, GREEDY)])
         messages += [
             {"role": "assistant", "content": texts["1"]},
             {"role": "user", "content": "Write a long story about a city under the ice."},
@@ -902,12 +906,36 @@ def test_a_regenerated_long_answer_restores_the_slots_window_checkpoint(gemma_pa
         reused = done["2"].usage["cached_tokens"]
         assert reused > 400 and done["2"].usage["completion_tokens"] > 600
         slot = next(s for s in e.slots if s.cached)
-        assert [c.n for c in slot.checkpoints] == [reused]
+        assert [c.n for c in slot.checkpoints] == [len(first), reused, len(prompt)]
         assert not e._window_holds(slot.seq_id, len(prompt) - 1)  # the answer ran past it
         texts, done, errors = run(e, [Request("again", prompt, 16, GREEDY)])
-        assert not errors and done["again"].usage["cached_tokens"] == reused
+        assert not errors and done["again"].usage["cached_tokens"] == len(prompt) - 1
+        assert [c.n for c in slot.checkpoints] == [len(first), reused, len(prompt)]
         solo, _, _ = run(e, [Request("solo", prompt, 16, GREEDY, cache_prompt=False)])
         assert texts["again"] == solo["solo"]
+    finally:
+        e.close()
+
+
+def test_no_window_checkpoint_is_copied_from_a_slot_past_the_prefixs_window(gemma_path):
+    """llama.cpp saves only the cells a sequence's last position still sees. A prompt that
+    copies a shared system prompt from a slot holding more than a window beyond it would
+    checkpoint cells without the system prompt's window: none is made (it cost a copy, and
+    a restore of it read the whole prompt). The checkpoint of the prompt's own end is."""
+    e = BatchEngine(str(gemma_path), context_length=2048, parallel=2, threads=2, swa_full=False)
+    try:
+        system = gemma_turn(e, "You are the careful reading assistant of the city library. " * 8)
+        long = gemma_turn(e, "Notes on owls and their habits. " * 90)
+        question = gemma_turn(e, "What do trains carry? " * 70)
+        n = common_prefix(system + long, system + question)
+        run(e, [Request("a", system + long, 4, GREEDY)])
+        held = next(s for s in e.slots if s.cached)
+        assert len(held.cached) - n > e.n_swa
+        assert e._window_holds(held.seq_id, n)  # the copy is worth making
+        _, done, _ = run(e, [Request("b", system + question, 64, GREEDY)])
+        assert done["b"].usage["cached_tokens"] == n
+        other = next(s for s in e.slots if s is not held)
+        assert [c.n for c in other.checkpoints] == [len(system + question)]
     finally:
         e.close()
 

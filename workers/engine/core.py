@@ -61,11 +61,11 @@ HOST_CACHE_MIN_TOKENS = 32
 #: it, and 64 MiB took about 40 ms here. A larger sequence is copied when a request takes
 #: its slot, as before.
 SAVE_AHEAD_BYTES = 64 << 20
-#: Window checkpoints a slot keeps (_WindowCheckpoint), the oldest dropped first: the
-#: latest turns' starts of its conversation. Each holds the sliding-window layers' cells of
-#: one sequence (gemma-3-270m: up to 16 MiB) and counts against the host-RAM cache's limit;
-#: llama-server keeps up to 32 per slot.
-SLOT_CHECKPOINTS = 3
+#: Window checkpoints a slot keeps (_WindowCheckpoint), the oldest dropped first: where
+#: the last two prompts of its conversation started their new tokens and where they ended.
+#: Each holds the sliding-window layers' cells of one sequence (gemma-3-270m: up to 16 MiB)
+#: and counts against the host-RAM cache's limit; llama-server keeps up to 32 per slot.
+SLOT_CHECKPOINTS = 4
 #: The part of a sequence's state a window checkpoint copies: the sliding-window layers'.
 STATE_PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 #: Flash attention settings (the agent's --flash-attn), as llama-server's -fa takes them.
@@ -135,6 +135,9 @@ class _WindowCheckpoint:
     n: int
     data: ctypes.Array
     size: int
+    #: The lowest position those cells hold: the checkpoint serves any prefix up to n whose
+    #: window starts there or later.
+    low: int = 0
 
 
 @dataclass
@@ -326,6 +329,7 @@ class _Sequence:
     grammar: ctypes.c_void_p | None = None  # structured output's grammar sampler, if any
     follows: _Sequence | None = None  # an extra choice waiting for this one's prompt KV
     checkpoint: int = 0  # prefill position whose state goes to host RAM (_shared_prefix)
+    mark_end: bool = False  # checkpoint the window once the prefill is read (_mark_window_ends)
     sampled: list[int] = field(default_factory=list)  # every token sampled here
     emitted: int = 0  # pieces emitted
     admitted_at: float = 0.0
@@ -461,6 +465,9 @@ class BatchEngine:
         #: while a copy is to read it, nor read while a copy is to write it (_take_slot).
         self._copy_from: set[int] = set()
         self._copy_to: set[int] = set()
+        #: Slots whose prompt was just read, and its length: their window is checkpointed
+        #: there before anything more is decoded (_mark_window_ends).
+        self._window_marks: list[tuple[_Slot, int]] = []
         self._cand = None  # candidate array for grammar sampling, made on first use
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._embed_ctx = None  # made at the first embedding request
@@ -624,7 +631,7 @@ class BatchEngine:
     # ---- requests ---------------------------------------------------------------------
 
     def idle(self) -> bool:
-        return not self.active and not self.waiting
+        return not self.active and not self.waiting and not self._window_marks
 
     def set_threads(self, n: int) -> None:
         """Decode with n threads from the next llama_decode on (llama.cpp takes the count at
@@ -736,6 +743,13 @@ class BatchEngine:
             shared = self._shared_prefix(prefill) if req.cache_prompt else 0
             grows_to = len(prefill) + limit - len(req.resume_tokens)
             slot, reused, from_host = self._take_slot(free, prefill, req.cache_prompt, grows_to)
+            mark_end = (
+                self.window_checkpoints
+                and req.cache_prompt
+                and not req.resume_tokens
+                and len(prefill) >= HOST_CACHE_MIN_TOKENS
+                and grows_to > self.n_swa
+            )
             seq = _Sequence(
                 req=req,
                 seq_id=slot.seq_id,
@@ -749,6 +763,7 @@ class BatchEngine:
                 host_cached_tokens=min(reused, len(req.prompt_tokens)) if from_host else 0,
                 admitted_at=time.monotonic(),
                 checkpoint=shared if shared - reused >= HOST_CACHE_MIN_TOKENS else 0,
+                mark_end=mark_end,
             )
             self.active[req.request_id] = seq
             if req.resume_tokens:
@@ -823,8 +838,9 @@ class BatchEngine:
         every free slot is restored into that least valuable slot instead. At least the last
         token is evaluated again: its logits give the first new token. In a sliding-window
         model a slot offers only a prefix whose window it still holds (_window_holds), or
-        the longest one a window checkpoint of its own gives back (a regenerated answer, an
-        edited last question); the prompt then continues in that slot.
+        the longest one a window checkpoint of its own gives back (an edited last question
+        from the checkpoint where its prompt's new tokens began, a regenerated answer from
+        the one where its prompt ended); the prompt then continues in that slot.
 
         A restore writes the slot's data at once, while a copy between KV streams moves
         data at the next decode: a restore into the source of a copy made for another
@@ -839,12 +855,14 @@ class BatchEngine:
         shared = {id(s): min(common_prefix(s.cached, tokens), len(tokens) - 1) for s in free}
         back: dict[int, _WindowCheckpoint] = {}  # slots that reuse through a checkpoint
         for s in free:
-            if self._window_holds(s.seq_id, shared[id(s)]):
+            n = shared[id(s)]
+            if self._window_holds(s.seq_id, n):
                 continue
-            usable = [c for c in s.checkpoints if c.n <= shared[id(s)]]
-            if usable and s.seq_id not in copying:  # a restore writes at once (above)
-                back[id(s)] = max(usable, key=lambda c: c.n)
-            shared[id(s)] = back[id(s)].n if id(s) in back else 0
+            reach = {id(c): self._checkpoint_reach(c, n) for c in s.checkpoints}
+            best = max(s.checkpoints, key=lambda c: reach[id(c)], default=None)
+            if best is not None and reach[id(best)] and s.seq_id not in copying:
+                back[id(s)] = best  # a restore writes at once (above)
+            shared[id(s)] = reach[id(back[id(s)])] if id(s) in back else 0
         src = max(free, key=lambda s: (shared[id(s)], -s.last_used))
         n = shared[id(src)]
         entry, n_host = self.host.best(tokens[:-1], n, self.n_swa)
@@ -852,12 +870,20 @@ class BatchEngine:
             spare = [s for s in free if s.seq_id not in copying]
             if spare:
                 slot = min(spare, key=_least_valuable)
-                return self._claim(slot, None, n_host, entry, grows_to=grows_to)
+                return self._claim(slot, None, n_host, entry, None, grows_to, tokens)
         if not n:
             return self._claim(dst, None, 0)
         if dst is src or id(src) in back or len(src.cached) - n <= len(dst.cached):
-            return self._claim(src, None, n, checkpoint=back.get(id(src)), grows_to=grows_to)
-        return self._claim(dst, src, n, grows_to=grows_to)
+            checkpoint = back.get(id(src))
+            return self._claim(src, None, n, None, checkpoint, grows_to, tokens)
+        return self._claim(dst, src, n, None, None, grows_to, tokens)
+
+    def _checkpoint_reach(self, c: _WindowCheckpoint, n: int) -> int:
+        """How many of a prompt's first n tokens (those its slot holds in the other layers)
+        a slot's window checkpoint gives back: up to its own n, if its cells hold the
+        window before that point; 0 otherwise."""
+        r = min(c.n, n)
+        return r if c.low <= self._window_start(r) else 0
 
     def _claim(
         self,
@@ -867,12 +893,16 @@ class BatchEngine:
         entry: _Saved | None = None,
         checkpoint: _WindowCheckpoint | None = None,
         grows_to: int = 0,
+        tokens: list[int] | None = None,
     ) -> tuple[_Slot, int, bool]:
-        """Make `slot` hold the first `reused` tokens: its own (back to a window checkpoint
-        of its own, given one), copied from slot src, or restored from a host-RAM entry.
-        What of its own cache this throws away is copied to host RAM first. Where its
+        """Make `slot` hold the first `reused` of a prompt's `tokens`: its own (back to a
+        window checkpoint of its own, given one), copied from slot src, or restored from a
+        host-RAM entry. What of its own cache this throws away is copied to host RAM first,
+        and its window checkpoints past what the prompt shares with it go. Where its
         sequence may come to hold more than a window (grows_to), the window that holds the
-        reused tokens is checkpointed first (_checkpoint_window)."""
+        reused tokens is checkpointed first (_checkpoint_window), unless only the prompt's
+        last token follows them (the same prompt again): the checkpoint of its end
+        (_mark_window_ends) serves."""
         slot.busy = True
         mem, seq = self.memory, slot.seq_id
         in_place = src is None and entry is None
@@ -898,9 +928,11 @@ class BatchEngine:
             reused = 0  # what was copied or restored lacks the window (_window_holds)
         if not reused:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
+        keep = common_prefix(slot.cached, tokens) if in_place and reused and tokens else 0
         slot.cached, slot.saved = [], False
-        dropped = self._drop_checkpoints(slot, reused if in_place else 0)
-        if reused and grows_to > self.n_swa:
+        dropped = self._drop_checkpoints(slot, keep)
+        ends_at = len(tokens) if tokens else 0
+        if reused and grows_to > self.n_swa and ends_at - reused > 1:
             self._checkpoint_window(slot, reused, slot if src is None else src, dropped)
         return slot, reused, entry is not None and reused > 0
 
@@ -937,6 +969,14 @@ class BatchEngine:
         ):
             return
         seq = source.seq_id
+        # llama.cpp saves only the cells the source's last position still sees: a source
+        # that holds far more than n tokens (a slot copied from) may lack n's window.
+        low = max(
+            L.llama_memory_seq_pos_min(self.memory, seq),
+            L.llama_memory_seq_pos_max(self.memory, seq) - self.n_swa + 1,
+        )
+        if low > self._window_start(n):
+            return
         size = L.llama_state_seq_get_size_ext(self.ctx, seq, STATE_PARTIAL)
         if not size:
             return
@@ -950,9 +990,23 @@ class BatchEngine:
             return
         data = data if data is not None else (ctypes.c_uint8 * size)()
         if L.llama_state_seq_get_data_ext(self.ctx, data, size, seq, STATE_PARTIAL) == size:
-            slot.checkpoints.append(_WindowCheckpoint(n, data, size))
+            slot.checkpoints.append(_WindowCheckpoint(n, data, size, low))
         else:
             self.host.release(held)
+
+    def _mark_window_ends(self) -> None:
+        """Checkpoint the window of each slot whose prompt the last step finished reading,
+        before its first new token is decoded: an answer that runs past the window takes
+        the prompt's end out of it, and the same prompt sent again (the answer regenerated)
+        then reads one token instead of the last user message, or the whole history
+        without a checkpoint. llama-server checkpoints 4 tokens before a prompt's end, and
+        reads those 4 in a decode of their own to do so; here the copy is made after the
+        step whose events went out, so no step is added and the first token waits for no
+        copy."""
+        marks, self._window_marks = self._window_marks, []
+        for slot, n in marks:
+            if L.llama_memory_seq_pos_max(self.memory, slot.seq_id) == n - 1:
+                self._checkpoint_window(slot, n, slot, [])
 
     def _shared_prefix(self, tokens: list[int]) -> int:
         """Where a new prompt's state should be checkpointed to host RAM: the longest
@@ -983,16 +1037,23 @@ class BatchEngine:
 
     def _window_holds(self, seq_id: int, n: int) -> bool:
         """Whether a slot's sliding-window cells still hold the window before position n,
-        so that its first n tokens can be reused (always true without a sliding window):
-        llama-server's check. A conversation restored from host RAM keeps only its last
-        window there, and cut to its first few tokens it keeps no cell at all (-1): those
-        layers would read a new prompt without its start (gemma then answered a story
-        with an end of generation, an empty message). Made before a slot is chosen, and
-        after a copy or restore in case what arrived lacks the window."""
+        so that its first n tokens can be reused (always true without a sliding window;
+        llama-server asks for a position or two more). A conversation restored from host
+        RAM keeps only its last window there, and cut to its first few tokens it keeps no
+        cell at all (-1): those layers would read a new prompt without its start (gemma
+        then answered a story with an end of generation, an empty message). Made before a
+        slot is chosen, and after a copy or restore in case what arrived lacks the
+        window."""
         if self.n_swa <= 0 or n <= 0:
             return True
         low = L.llama_memory_seq_pos_min(self.memory, seq_id)
-        return 0 <= low <= max(0, n - self.n_swa)
+        return 0 <= low <= self._window_start(n)
+
+    def _window_start(self, n: int) -> int:
+        """The lowest position the sliding-window layers read to decode position n: a
+        token sees the n_swa - 1 positions before it (llama.cpp's standard window mask,
+        is_masked_swa: p1 - p0 >= n_swa is masked)."""
+        return max(0, n - self.n_swa + 1)
 
     def _copy_stream(self, src: int, dst: int) -> None:
         """Copy slot src's KV into slot dst (llama.cpp does it at the next decode), noting
@@ -1074,6 +1135,7 @@ class BatchEngine:
     def step(self) -> list[Token | Done | Error]:
         """Decode one step; returns its Token, Done and Error events."""
         events: list[Token | Done | Error] = []
+        self._mark_window_ends()
         self._admit(events)
         if not self.active:
             return events
@@ -1174,6 +1236,9 @@ class BatchEngine:
             for seq, _ in take.values():
                 if seq is not None and seq.checkpoint and seq.prefill_pos == seq.checkpoint:
                     self._checkpoint(seq)
+                if seq is not None and seq.mark_end and seq.prefill_pos == len(seq.prefill):
+                    seq.mark_end = False
+                    self._window_marks.append((self.slots[seq.seq_id], seq.prefill_pos))
             self._sample(events)
 
     def _fill_holes(self, take: dict) -> list[tuple[int, int]]:
