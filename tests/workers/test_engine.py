@@ -601,6 +601,25 @@ def test_a_prefix_pushed_out_of_its_slot_comes_back_from_host_ram(smollm2_path):
             e.close()
 
 
+def test_a_regenerated_answer_is_not_copied_to_host_ram_an_edit_is(smollm2_path):
+    """The same prompt again (the answer regenerated) throws away only the slot's last
+    answer: that is not copied to host RAM first (llama-server neither), so the prompt
+    waits for no copy. A prompt that throws away part of the conversation's prompt (an
+    edit) still has it copied."""
+    e = BatchEngine(str(smollm2_path), context_length=1024, parallel=1, threads=2)
+    try:
+        a = chat_tokens(e, OWLS)
+        run(e, [Request("a1", a, 48, GREEDY)])
+        _, done, _ = run(e, [Request("again", a, 48, GREEDY)])
+        assert done["again"].usage["cached_tokens"] == len(a) - 1
+        assert not e.host.entries and e.host.bytes == 0
+        edited = a[: len(a) // 2] + chat_tokens(e, TRAINS)[1:]
+        run(e, [Request("edited", edited, 8, GREEDY)])
+        assert [x.tokens[: len(a)] for x in e.host.entries] == [a]
+    finally:
+        e.close()
+
+
 def test_an_idle_engine_copies_a_slot_to_host_ram_before_a_request_needs_it(
     smollm2_path, monkeypatch
 ):
