@@ -859,11 +859,13 @@ class BatchEngine:
             n = shared[id(s)]
             if self._window_holds(s.seq_id, n):
                 continue
-            reach = {id(c): self._checkpoint_reach(c, n) for c in s.checkpoints}
-            best = max(s.checkpoints, key=lambda c: reach[id(c)], default=None)
-            if best is not None and reach[id(best)] and s.seq_id not in copying:
-                back[id(s)] = best  # a restore writes at once (above)
-            shared[id(s)] = reach[id(back[id(s)])] if id(s) in back else 0
+            best = max(s.checkpoints, key=lambda c: self._checkpoint_reach(c, n), default=None)
+            r = self._checkpoint_reach(best, n) if best is not None else 0
+            if s.seq_id in copying:  # a restore writes at once (above)
+                r = 0
+            if r:
+                back[id(s)] = best
+            shared[id(s)] = r
         src = max(free, key=lambda s: (shared[id(s)], -s.last_used))
         n = shared[id(src)]
         entry, n_host = self.host.best(tokens[:-1], n, self.n_swa)
@@ -907,12 +909,7 @@ class BatchEngine:
         slot.busy = True
         mem, seq = self.memory, slot.seq_id
         in_place = src is None and entry is None
-        if not (in_place and slot.prompt_len and reused >= slot.prompt_len - 1):
-            # Unless it loses only the slot's last answer (the answer regenerated): as
-            # llama-server, which copies a slot to RAM only when a prompt keeps less than
-            # half of it. The copy (29 MB for a 1,290-token SmolLM2 conversation) made such
-            # a prompt wait 21 ms more than llama-server's 25.
-            self._save(slot, reused if in_place else 0)
+        self._save(slot, reused if in_place else 0)
         if checkpoint is not None:
             data, size = checkpoint.data, checkpoint.size
             if L.llama_state_seq_set_data_ext(self.ctx, data, size, seq, STATE_PARTIAL) != size:
@@ -1090,10 +1087,14 @@ class BatchEngine:
     def _save(self, slot: _Slot, keep: int, most: int = 0) -> None:
         """Copy the slot's cached sequence to host RAM when a new request keeps only `keep`
         of its tokens and would lose at least HOST_CACHE_MIN_TOKENS (and, given `most`, the
-        copy is at most that many bytes)."""
+        copy is at most that many bytes), unless it loses only the slot's last answer (the
+        answer regenerated): as llama-server, which copies a slot to RAM only when a prompt
+        keeps less than half of it. The copy (29 MB for a 1,290-token SmolLM2 conversation)
+        made such a prompt wait 21 ms more than llama-server's 25."""
         tokens = slot.cached
         if (
             not self.host.limit
+            or (keep and keep >= slot.prompt_len - 1)
             or slot.seq_id in self._copy_to  # its data comes at the next decode
             or len(tokens) - keep < HOST_CACHE_MIN_TOKENS
             or self.host.holds(tokens)
