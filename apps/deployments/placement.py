@@ -69,6 +69,7 @@ def cluster(deployment: Deployment | None = None) -> tuple[list[P.NodeState], di
             draining=n.draining,
             accelerator_bytes=accelerator_bytes(n),
             holds=getattr(n, "holds", 0),
+            window_cache="swa-window" in (n.features or ()),
         )
         for n in nodes
     ]

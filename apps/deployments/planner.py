@@ -103,6 +103,9 @@ class NodeState:
     accelerator_bytes: tuple[int, ...] = ()
     #: Replicas of the same deployment it already holds (new ones spread away from it).
     holds: int = 0
+    #: Its agent honours Request.swa_window ("swa-window" among its features); an older one
+    #: keeps the full cache whatever it is asked, and is planned so.
+    window_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -307,7 +310,7 @@ def plan(
     if not usable:
         return Plan("refused", error="no node is ready and open (none registered, or all draining)")
     whole = replica_stage(m, r).total_bytes
-    fits = [n for n in usable if room_of(n) >= whole]
+    fits = [n for n in usable if room_of(n) >= replica_stage(m, on_node(r, n)).total_bytes]
     # A split is what the user forced, or what pinning several nodes of a split asks for.
     wants_split = r.split_mode in ("layer", "tensor") and (len(usable) > 1 or not fits)
     if r.split_mode in ("auto", "none") or not wants_split:
@@ -315,13 +318,19 @@ def plan(
             return _replicas(m, r, fits, whole)
         if r.split_mode == "none" or len(usable) == 1:
             best = max(usable, key=room_of)
+            need = replica_stage(m, on_node(r, best)).total_bytes
             return Plan(
                 "refused",
-                needed_bytes=whole,
-                error=f"needs {gib(whole)} on one node; the node with the most free memory "
+                needed_bytes=need,
+                error=f"needs {gib(need)} on one node; the node with the most free memory "
                 f"({best.name}) has {gib(max(room_of(best), 0))}",
             )
     return _split(m, r, usable, links, "tensor" if r.split_mode == "tensor" else "layer", whole)
+
+
+def on_node(r: Request, n: NodeState) -> Request:
+    """The request as node `n` will carry it out: full cache where its agent has no window."""
+    return r if n.window_cache or not r.swa_window else replace(r, swa_window=False)
 
 
 def room_of(n: NodeState) -> int:
@@ -333,21 +342,30 @@ def _replicas(m: ModelFacts, r: Request, fits: list[NodeState], whole: int) -> P
     """Spread replicas over the nodes that hold a whole copy."""
     free = {n.name: room_of(n) for n in fits}
     held = {n.name: n.holds for n in fits}
+    need = {n.name: replica_stage(m, on_node(r, n)).total_bytes for n in fits}
     stages: list[Stage] = []
     for _ in range(r.replicas):
         # Spread: the node holding fewest copies of this deployment, then the most free.
-        room = [n for n in fits if free[n.name] >= whole]
+        room = [n for n in fits if free[n.name] >= need[n.name]]
         if not room:
             break
         node = min(room, key=lambda n: (held[n.name], -free[n.name]))
-        free[node.name] -= whole
+        free[node.name] -= need[node.name]
         held[node.name] += 1
-        s = replica_stage(m, r)
+        s = replica_stage(m, on_node(r, node))
         s.node = node.name
         s.n_gpu_layers = _gpu_layers(m, r, node, 0, m.n_layers)
         stages.append(s)
     p = Plan("replicas", stages=stages, needed_bytes=whole)
-    s0 = stages[0]
+    old = sorted({s.node for s in stages if s.total_bytes > whole})
+    if old:
+        p.warnings.append(
+            f'the agent on {", ".join(old)} predates the window cache (no "swa-window" '
+            f"feature): its replicas keep the full cache, "
+            f"{gib(replica_stage(m, replace(r, swa_window=False)).total_bytes - whole)} more "
+            f"each; upgrade it to plan and load them smaller"
+        )
+    s0 = replica_stage(m, r)  # as planned; an older agent's larger copy is in the warnings
     window = (
         f" with {m.sliding_layers} of {m.n_layers} layers keeping only their "
         f"{m.sliding_window}-token window"

@@ -35,6 +35,8 @@ class Node(models.Model):
         help_text="Takes no new requests or replicas; requests in flight finish.",
     )
     version = models.CharField(max_length=40, blank=True)
+    #: What the agent said it does beyond the first protocol (workers.FEATURES).
+    features = models.JSONField(default=list, blank=True)
     memory_total_bytes = models.BigIntegerField(default=0)
     memory_available_bytes = models.BigIntegerField(default=0)
     memory_in_use_bytes = models.BigIntegerField(default=0)

@@ -83,6 +83,7 @@ def _parse(payload: dict) -> tuple[str, dict, list[dict], str]:
         "reported_replicas": replicas,
         "last_heartbeat_at": timezone.now(),
         "boot_id": status.boot_id[:64],
+        "features": [f[:40] for f in status.features[:32]],
     }
     return name, fields, replicas, status.boot_id
 
@@ -163,6 +164,7 @@ def _digest(fields: dict) -> str:
         for k in (
             "address",
             "version",
+            "features",
             "boot_id",
             "memory_total_bytes",
             "cpu_cores",

@@ -15,6 +15,7 @@ from google.protobuf.json_format import MessageToDict
 from llamafleet.agent.v1 import agent_pb2 as pb
 from llamafleet.agent.v1 import agent_pb2_grpc
 
+import workers
 from workers.engine import errors
 
 GIB = 1 << 30
@@ -92,6 +93,7 @@ class FakeAgent(agent_pb2_grpc.NodeAgentServicer):
             cpu_cores=8,
             replicas=list(self.replicas.values()),
             boot_id=self.boot_id,
+            features=workers.FEATURES,
         )
 
     def payload(self) -> dict:

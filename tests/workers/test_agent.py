@@ -375,7 +375,9 @@ def test_the_agents_flash_attention_setting_reaches_its_engines(agent, stub, mon
 def test_the_load_requests_sliding_window_cache_reaches_its_engine(agent, stub, swa_window):
     """LoadModel's swa_window (a deployment's swa_cache) loads the replica with llama.cpp's
     window-sized cache, or the full one without it; the engine reports what it asked for,
-    and the agent serves either way."""
+    and the agent serves either way. The agent says it honours the field (its features):
+    the control plane plans an agent that does not with the full cache."""
+    assert "swa-window" in stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH).features
     load(stub, swa_window=swa_window)
     replies = list(stub.RunInference(chat(max_tokens=8), metadata=AUTH))
     assert replies[-1].usage.completion_tokens > 0

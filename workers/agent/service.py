@@ -403,6 +403,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             rpc_servers=[_rpc_status(s) for s in self.rpc_servers.values()],
             disk_free_bytes=shutil.disk_usage(self.store.root).free,
             boot_id=self.boot_id,
+            features=workers.FEATURES,
         )
 
     def in_flight(self) -> int:

@@ -17,6 +17,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "price_per_hour",
             "currency",
             "version",
+            "features",
             "cpu_cores",
             "load_average",
             "accelerators",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import workers
 from apps.nodes.models import Node
 from apps.nodes.services import record_heartbeat
 
@@ -12,12 +13,14 @@ GiB = 2**30
 
 
 def node(name: str, free_gib: float, **extra) -> Node:
+    """A node as its agent reports itself (today's agent's features unless `extra` says)."""
     return record_heartbeat(
         {
             "node_name": name,
             "address": f"{name}:50051",
             "memory_total_bytes": int(64 * GiB),
             "memory_available_bytes": int(free_gib * GiB),
+            "features": list(workers.FEATURES),
             **extra,
         }
     )
@@ -206,3 +209,35 @@ def test_a_deployments_window_cache_lets_a_long_context_fit_where_the_full_one_d
     assert resp.status_code == 400 and "swa_cache" in resp.json()
     resp = ops.post("/api/v1/deployments/", body, format="json")
     assert resp.status_code == 202 and resp.json()["swa_cache"] == "window"
+
+
+def test_an_agent_without_the_window_cache_is_planned_with_the_full_one(ops, gemma_model):
+    """An agent older than swa_window ignores it and loads the full cache. The control plane
+    plans by the features the agent reports: the node with room for the window cache only
+    is passed over when its agent lacks "swa-window", and a replica placed on such an agent
+    is sized (and booked) by the full cache, with a warning saying why."""
+    from apps.deployments import placement
+    from apps.deployments import planner as P
+
+    body = {"model": "gemma-3-270m", "context_length": 32768, "parallel": 1}
+    m = placement.model_facts(gemma_model)
+    window, full = (P.replica_stage(m, P.Request(32768, 1, swa_window=w)) for w in (True, False))
+    between = (window.total_bytes + full.total_bytes) / 2 / GiB
+    old = node("old", between, features=[])
+    assert old.features == []
+    refused = preview(ops, **body)
+    assert refused["kind"] == "refused"
+    assert f"needs {P.gib(full.total_bytes)} on one node" in refused["error"]
+
+    node("new", between)
+    plan = preview(ops, **body)
+    assert [s["node"] for s in plan["stages"]] == ["new"]
+    assert plan["stages"][0]["kv_bytes"] == window.kv_bytes
+    assert not any("predates" in w for w in plan["warnings"])
+
+    node("old", 2 * full.total_bytes / GiB, features=[])  # now the one with the most room
+    plan = preview(ops, **body, replicas=2)
+    by_node = {s["node"]: s for s in plan["stages"]}
+    assert by_node["old"]["kv_bytes"] == full.kv_bytes
+    assert by_node["new"]["kv_bytes"] == window.kv_bytes
+    assert [w for w in plan["warnings"] if "the agent on old predates the window cache" in w]

@@ -454,7 +454,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., model_name: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., error: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., pid: _Optional[int] = ..., context_length: _Optional[int] = ..., parallel: _Optional[int] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_name", "version", "memory_total_bytes", "memory_available_bytes", "cpu_cores", "accelerators", "replicas", "memory_in_use_bytes", "in_flight", "load_average", "rpc_servers", "disk_free_bytes", "boot_id")
+    __slots__ = ("node_name", "version", "memory_total_bytes", "memory_available_bytes", "cpu_cores", "accelerators", "replicas", "memory_in_use_bytes", "in_flight", "load_average", "rpc_servers", "disk_free_bytes", "boot_id", "features")
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -468,6 +468,7 @@ class NodeStatus(_message.Message):
     RPC_SERVERS_FIELD_NUMBER: _ClassVar[int]
     DISK_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     node_name: str
     version: str
     memory_total_bytes: int
@@ -481,7 +482,8 @@ class NodeStatus(_message.Message):
     rpc_servers: _containers.RepeatedCompositeFieldContainer[RpcServerStatus]
     disk_free_bytes: int
     boot_id: str
-    def __init__(self, node_name: _Optional[str] = ..., version: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., cpu_cores: _Optional[int] = ..., accelerators: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., memory_in_use_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., load_average: _Optional[float] = ..., rpc_servers: _Optional[_Iterable[_Union[RpcServerStatus, _Mapping]]] = ..., disk_free_bytes: _Optional[int] = ..., boot_id: _Optional[str] = ...) -> None: ...
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_name: _Optional[str] = ..., version: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., cpu_cores: _Optional[int] = ..., accelerators: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., memory_in_use_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., load_average: _Optional[float] = ..., rpc_servers: _Optional[_Iterable[_Union[RpcServerStatus, _Mapping]]] = ..., disk_free_bytes: _Optional[int] = ..., boot_id: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class QuantizeRequest(_message.Message):
     __slots__ = ("job_id", "source_files", "target", "eval_text", "threads")
