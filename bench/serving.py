@@ -777,6 +777,12 @@ def document(nonce: str) -> str:
     return "\n".join(lines)
 
 
+#: What a user does after a long turn (long_chat), and which of those it measures again
+#: after the conversation was pushed out of its slot.
+LONG_CHAT_KINDS = ("next_turn", "regenerate", "edit_last_message")
+PUSHED_OUT = ("regenerate", "edit_last_message")
+
+
 async def long_chat(targets: list[Target], rounds: int) -> dict:
     """What a chat's user does after a long last turn: goes on (the next question),
     regenerates the answer (the same prompt again), or edits the last message (the prompt
@@ -784,8 +790,13 @@ async def long_chat(targets: list[Target], rounds: int) -> dict:
     answer hold more than a sliding window (gemma-3's 512 tokens): a pasted document to
     summarise, or a long story. With the window cache a slot then no longer holds the
     window from before that turn, so the last two read the whole history again, unless a
-    checkpoint of the window was kept (llama-server keeps them per slot)."""
-    kinds = ("next_turn", "regenerate", "edit_last_message")
+    checkpoint of the window was kept (llama-server keeps them per slot). The last two
+    again after SLOTS other users' requests at once took every slot (`..._pushed_out`):
+    the conversation is then served from host RAM, where llama-server's entries carry
+    their checkpoints. (One after another they did not push it out here: each took the
+    slot the one before had used, which shares the chat template's first tokens and
+    holds less.)"""
+    kinds = (*LONG_CHAT_KINDS, *(f"{k}_pushed_out" for k in PUSHED_OUT))
     rows = {t.name: {k: {"ttft": [], "cached": [], "prompt": []} for k in kinds} for t in targets}
     async with http_client() as client:
         for r in range(rounds):
@@ -797,7 +808,8 @@ async def long_chat(targets: list[Target], rounds: int) -> dict:
                         messages += story(k, nonce)
                         res = await chat(client, t, messages, 64)
                         messages.append({"role": "assistant", "content": res["text"]})
-                    if kind == "regenerate":
+                    what = kind.removesuffix("_pushed_out")
+                    if what == "regenerate":
                         messages += story(2, nonce)
                         res = await chat(client, t, messages, 640)
                     else:
@@ -805,13 +817,22 @@ async def long_chat(targets: list[Target], rounds: int) -> dict:
                         messages.append({"role": "user", "content": f"{document(nonce)}\n{ask}"})
                         res = await chat(client, t, messages, 64)
                     messages.append({"role": "assistant", "content": res["text"]})
-                    if kind == "next_turn":
+                    if what == "next_turn":
                         messages += story(3, nonce)
-                    elif kind == "regenerate":
+                    elif what == "regenerate":
                         messages = messages[:-1]
                     else:
                         edited = f"{document(nonce + ' revised')}\nList the three main points."
                         messages = messages[:-2] + [{"role": "user", "content": edited}]
+                    if what != kind:  # as many other users at once as there are slots
+                        others = [
+                            [
+                                {"role": "system", "content": system_prompt(f"{nonce} {j}")},
+                                {"role": "user", "content": QUESTIONS[j % len(QUESTIONS)]},
+                            ]
+                            for j in range(SLOTS)
+                        ]
+                        await asyncio.gather(*(chat(client, t, o, 8) for o in others))
                     res = await chat(client, t, messages, 8)
                     v = rows[t.name][kind]
                     v["ttft"].append(res["ttft"])
@@ -1289,7 +1310,7 @@ HEADLINES = {
     "many_conversations": {"later_turns_ttft_ratio": "ratio.later_turns_median_ttft_ms"},
     "long_chat": {
         f"{kind}_ttft_ratio": f"ratio.{kind}_ttft_ms"
-        for kind in ("next_turn", "regenerate", "edit_last_message")
+        for kind in (*LONG_CHAT_KINDS, *(f"{k}_pushed_out" for k in PUSHED_OUT))
     },
     **{
         part: {

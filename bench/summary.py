@@ -66,6 +66,8 @@ TARGETS = [
             ("next_turn", "the next question"),
             ("regenerate", "the long answer regenerated"),
             ("edit_last_message", "the last message edited"),
+            ("regenerate_pushed_out", "regenerated after 8 others took every slot"),
+            ("edit_last_message_pushed_out", "edited after 8 others took every slot"),
         )
     ),
     # The routing parts at each pace: users pausing 0.2-1.5 s between turns (busy), and

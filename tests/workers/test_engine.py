@@ -900,30 +900,36 @@ def test_an_edited_last_message_restores_the_slots_window_checkpoint(gemma_path)
         e.close()
 
 
+def long_story_chat(e: BatchEngine) -> tuple[list[dict], list[int], list[int], int]:
+    """A gemma conversation whose second answer runs a window past its prompt: the messages
+    before its second question, its first prompt, its second prompt, and how many tokens the
+    second reused."""
+    from apps.catalog.sources import GEMMA_CHAT_TEMPLATE
+
+    system = "You are the careful reading assistant of the city library. " * 40
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Write a long story about a dragon."},
+    ]
+    first = chat_tokens(e, messages, GEMMA_CHAT_TEMPLATE)
+    texts, _, _ = run(e, [Request("1", first, 64, GREEDY)])
+    messages.append({"role": "assistant", "content": texts["1"]})
+    question = {"role": "user", "content": "Write a long story about a city under the ice."}
+    prompt = chat_tokens(e, [*messages, question], GEMMA_CHAT_TEMPLATE)
+    _, done, _ = run(e, [Request("2", prompt, 640, GREEDY)])
+    reused = done["2"].usage["cached_tokens"]
+    assert reused > 400 and done["2"].usage["completion_tokens"] > 600
+    return messages, first, prompt, reused
+
+
 def test_a_regenerated_long_answer_restores_the_slots_window_checkpoint(gemma_path):
     """The same for an answer regenerated after it ran a window past its prompt: the
     window is copied where the prompt's new tokens begin, before they are read (llama.cpp
     reused its cells within the answer when the copy came later), and where the prompt
     ends, before the answer; the same prompt again reads only its last token."""
-    from apps.catalog.sources import GEMMA_CHAT_TEMPLATE
-
     e = BatchEngine(str(gemma_path), context_length=2048, parallel=2, threads=2, swa_full=False)
     try:
-        system = "You are the careful reading assistant of the city library. " * 40
-        messages = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": "Write a long story about a dragon."},
-        ]
-        first = chat_tokens(e, messages, GEMMA_CHAT_TEMPLATE)
-        texts, _, _ = run(e, [Request("1", first, 64, GREEDY)])
-        messages += [
-            {"role": "assistant", "content": texts["1"]},
-            {"role": "user", "content": "Write a long story about a city under the ice."},
-        ]
-        prompt = chat_tokens(e, messages, GEMMA_CHAT_TEMPLATE)
-        _, done, _ = run(e, [Request("2", prompt, 640, GREEDY)])
-        reused = done["2"].usage["cached_tokens"]
-        assert reused > 400 and done["2"].usage["completion_tokens"] > 600
+        _, first, prompt, reused = long_story_chat(e)
         slot = next(s for s in e.slots if s.cached)
         assert [c.n for c in slot.checkpoints] == [len(first), reused, len(prompt)]
         assert not e._window_holds(slot.seq_id, len(prompt) - 1)  # the answer ran past it
@@ -932,6 +938,49 @@ def test_a_regenerated_long_answer_restores_the_slots_window_checkpoint(gemma_pa
         assert [c.n for c in slot.checkpoints] == [len(first), reused, len(prompt)]
         solo, _, _ = run(e, [Request("solo", prompt, 16, GREEDY, cache_prompt=False)])
         assert texts["again"] == solo["solo"]
+    finally:
+        e.close()
+
+
+def test_a_conversation_pushed_to_host_ram_takes_its_window_checkpoints_along(gemma_path):
+    """Another conversation takes the only slot: the first one goes to host RAM, where it
+    keeps only its last window, and the slot's window checkpoints go with it. Its answer
+    regenerated then reads only the prompt's last token from the entry (the checkpoints
+    come back to the slot with it), and, pushed out again, its last message edited reads
+    from where that message starts; each with the text of a run without cache. Before,
+    both read the whole conversation again."""
+    from apps.catalog.sources import GEMMA_CHAT_TEMPLATE
+
+    e = BatchEngine(str(gemma_path), context_length=2048, parallel=1, threads=2, swa_full=False)
+    try:
+        messages, first, prompt, reused = long_story_chat(e)
+        [slot] = e.slots
+        assert [c.n for c in slot.checkpoints] == [len(first), reused, len(prompt)]
+        other = gemma_turn(e, "Notes on trains and their timetables. " * 20)
+        run(e, [Request("other", other, 8, GREEDY)])
+        [entry] = [x for x in e.host.entries if x.tokens[: len(prompt)] == prompt]
+        assert [c.n for c in entry.checkpoints] == [len(first), reused, len(prompt)]
+        assert not slot.checkpoints or slot.cached[:8] == other[:8]
+
+        texts, done, errors = run(e, [Request("again", prompt, 16, GREEDY)])
+        assert not errors
+        assert done["again"].usage["cached_tokens"] == len(prompt) - 1
+        assert done["again"].usage["host_cached_tokens"] == len(prompt) - 1
+        assert [c.n for c in slot.checkpoints] == [len(first), reused, len(prompt)]
+        solo, _, _ = run(e, [Request("solo", prompt, 16, GREEDY, cache_prompt=False)])
+        assert texts["again"] == solo["solo"]
+
+        # Pushed out again; then its last message edited: from the entry, back to where
+        # that message starts.
+        run(e, [Request("other", other + gemma_turn(e, "And buses?")[1:], 8, GREEDY)])
+        question = {"role": "user", "content": "Write a short poem about the sea."}
+        edited = chat_tokens(e, [*messages, question], GEMMA_CHAT_TEMPLATE)
+        assert e.slots[0].cached[: len(other)] == other
+        texts, done, errors = run(e, [Request("edited", edited, 16, GREEDY)])
+        assert not errors and done["edited"].usage["cached_tokens"] == reused
+        assert done["edited"].usage["host_cached_tokens"] == reused
+        solo, _, _ = run(e, [Request("solo", edited, 16, GREEDY, cache_prompt=False)])
+        assert texts["edited"] == solo["solo"]
     finally:
         e.close()
 
@@ -997,9 +1046,9 @@ def test_the_host_cache_drops_the_oldest_and_what_a_newer_entry_contains():
     assert cache.bytes == 250
     assert cache.holds([9, 9]) and not cache.holds([9, 9, 9, 9])
     # The longest prefix wins only when longer than what a slot has.
-    entry, n = cache.best([9, 9, 9, 1], than=0, n_swa=0)
-    assert entry.tokens == [9, 9, 9] and n == 3
-    assert cache.best([9, 9, 9, 1], than=3, n_swa=0) == (None, 3)
+    entry, n, via = cache.best([9, 9, 9, 1], than=0, n_swa=0)
+    assert entry.tokens == [9, 9, 9] and n == 3 and via is None
+    assert cache.best([9, 9, 9, 1], than=3, n_swa=0) == (None, 3, None)
     # An entry must keep a quarter of itself.
     cache.add(list(range(100, 140)), data(10))
     assert cache.best(list(range(100, 109)) + [0], than=0, n_swa=0)[0] is None
@@ -1693,3 +1742,55 @@ def test_n_choices_evaluate_the_prompt_once_and_sample_apart(engine):
     assert len({texts[k] for k in done}) == 3  # three samples, three texts
     with pytest.raises(EngineError, match="slots"):
         engine.submit(Request("too-many", prompt, 4, Sampling(), n=5))
+
+
+def test_a_host_entry_carries_its_window_checkpoints_and_sheds_them_before_entries():
+    """Under the window cache an entry keeps only its conversation's last window; the
+    window checkpoints its slot made go with it (llama-server's cache-ram entries carry
+    theirs), so a prompt that goes back to one (a regenerate, an edit) is served from the
+    entry. They count against the limit, and go before any entry when room runs out: an
+    entry serves its conversation's next turn, a checkpoint only a regenerate or an edit."""
+    from workers.engine.core import _WindowCheckpoint
+
+    def checkpoint(n: int, size: int = 50) -> _WindowCheckpoint:
+        # Made when the sequence held n tokens: its cells reach back n_swa - 1 positions.
+        return _WindowCheckpoint(n, data(size), size, low=n - 8)
+
+    cache = HostCache(limit_bytes=400)
+    conversation = list(range(100, 140))  # 40 tokens; a window of 8
+    cache.add(conversation, data(100))
+    assert cache.reserve(50) and cache.reserve(50)  # the slot's two, counted beside it
+    start, end = checkpoint(20), checkpoint(30)
+    assert not cache.attach([7, 7], [start])  # no entry holds those tokens
+    assert cache.attach(conversation, [start, end]) and cache.bytes == 200
+    assert cache.entries[0].checkpoints == [start, end] and cache.entries[0].held == 200
+    # Not its end, so the entry's own cells serve no prompt. The prompt that ended at 30
+    # sent again (its answer regenerated) reads its last token only, from the checkpoint
+    # of 30; a prompt edited after token 25, from the one of 20; one edited after 15, none.
+    # (The engine asks with all but a prompt's last token: its logits give the first new.)
+    assert cache.best(conversation[:29], than=0, n_swa=8) == (cache.entries[0], 29, end)
+    assert cache.best(conversation[:25], than=0, n_swa=8) == (cache.entries[0], 20, start)
+    assert cache.best(conversation[:15], than=0, n_swa=8) == (None, 0, None)
+    assert cache.best(conversation[:29], than=29, n_swa=8) == (None, 29, None)  # a slot's
+    # A longer copy of the same conversation takes them over; a duplicate goes.
+    cache.reserve(50)
+    cache.add(conversation + [1, 2], data(100))
+    assert [e.tokens[-1] for e in cache.entries] == [2] and cache.bytes == 250
+    assert cache.attach(conversation, [checkpoint(30)]) and cache.bytes == 200
+    assert [c.n for c in cache.entries[0].checkpoints] == [20, 30]
+    # Room: the checkpoints go first, oldest entry first, then the entries.
+    cache.add([5] * 10, data(100))
+    assert cache.reserve(50) and cache.attach([5] * 10, [checkpoint(9)])
+    assert cache.bytes == 350
+    cache.add([6] * 10, data(100))  # 100 more: the oldest entry's oldest checkpoint goes
+    assert [[c.n for c in e.checkpoints] for e in cache.entries] == [[30], [9], []]
+    assert cache.bytes == 400
+    cache.add([7] * 10, data(150))  # 150 more: the other checkpoints, then an entry
+    assert [(e.tokens[0], e.checkpoints) for e in cache.entries] == [(5, []), (6, []), (7, [])]
+    assert cache.bytes == 350
+    # Restored into a slot, an entry hands its checkpoints over, still counted.
+    assert cache.reserve(50) and cache.attach([7] * 10, [checkpoint(9)])
+    given = cache.take(cache.entries[-1])
+    assert [c.n for c in given] == [9] and cache.bytes == 400  # its data is the spare now
+    cache.release(50)
+    assert cache.bytes == 350

@@ -139,6 +139,20 @@ class _WindowCheckpoint:
     #: window starts there or later.
     low: int = 0
 
+    def reach(self, n: int, n_swa: int) -> int:
+        """How many of a prompt's first n tokens (those its sequence holds in the other
+        layers) this checkpoint gives back: up to its own n, if its cells hold the window
+        before that point; 0 otherwise."""
+        r = min(self.n, n)
+        return r if self.low <= window_start(r, n_swa) else 0
+
+
+def window_start(n: int, n_swa: int) -> int:
+    """The lowest position the sliding-window layers read to decode position n: a token sees
+    the n_swa - 1 positions before it (llama.cpp's standard window mask, is_masked_swa:
+    p1 - p0 >= n_swa is masked)."""
+    return max(0, n - n_swa + 1)
+
 
 @dataclass
 class _Slot:
@@ -164,6 +178,16 @@ class _Saved:
     #: A checkpoint of a prefix that prompts share (BatchEngine._shared_prefix): restoring
     #: it leaves it in the cache for the next prompt.
     kept: bool = False
+    #: The window checkpoints its slot had made of it (oldest first): under the window
+    #: cache the entry keeps only its last window, and these give back the prefixes a
+    #: regenerated answer or an edited message go back to (llama-server's cache-ram
+    #: entries carry their checkpoints too).
+    checkpoints: list[_WindowCheckpoint] = field(default_factory=list)
+
+    @property
+    def held(self) -> int:
+        """Bytes it holds, with its checkpoints."""
+        return len(self.data) + sum(len(c.data) for c in self.checkpoints)
 
 
 class HostCache:
@@ -173,7 +197,9 @@ class HostCache:
     newer entry contains is dropped as redundant, except a checkpoint (in a sliding-window
     model a longer entry keeps only its last window, so it cannot serve the checkpoint's
     prompts); an entry restored into a slot leaves the cache (the slot has it now), a
-    checkpoint stays.
+    checkpoint stays. Room is made from the entries' window checkpoints before the entries
+    themselves, oldest first: an entry serves its conversation's next turn, its window
+    checkpoints only a regenerate or an edit.
 
     The buffer of the entry restored last is kept as a spare for the next save: a fresh
     buffer costs more than the copy itself (the kernel zeroes its pages, ctypes zeroes them
@@ -209,16 +235,40 @@ class HostCache:
         held = len(data)
         if self._checkpoint_bytes() + held > self.limit:
             return  # window checkpoints hold the rest (reserve)
+        carried: list[_WindowCheckpoint] = []
         for e in [
             e
             for e in self.entries
             if common_prefix(e.tokens, tokens) == len(e.tokens)
             and not (e.kept and len(e.tokens) < len(tokens))
         ]:
+            carried += e.checkpoints  # prefixes of the new one too: they go with it
+            e.checkpoints = []
             self._drop(e)  # contained in the new one
         self._make_room(held)
         self.entries.append(_Saved(list(tokens), data, held if size is None else size, kept))
         self.bytes += held
+        if not self.attach(tokens, carried):  # a checkpoint of a shared prefix takes none
+            self.bytes -= sum(len(c.data) for c in carried)
+
+    def attach(self, tokens: list[int], checkpoints: list[_WindowCheckpoint]) -> bool:
+        """Hand window checkpoints made of `tokens` (counted already: reserve) to the entry
+        that holds those tokens, up to SLOT_CHECKPOINTS of them, the newest kept; False,
+        handing nothing, when no entry holds them."""
+        entry = next(
+            (e for e in reversed(self.entries) if not e.kept and e.tokens[: len(tokens)] == tokens),
+            None,
+        )
+        if entry is None:
+            return False
+        for c in checkpoints:
+            if any(old.n == c.n for old in entry.checkpoints):
+                self.bytes -= len(c.data)
+            else:
+                entry.checkpoints.append(c)
+        while len(entry.checkpoints) > SLOT_CHECKPOINTS:
+            self.bytes -= len(entry.checkpoints.pop(0).data)
+        return True
 
     def reserve(self, size: int) -> bool:
         """Count `size` bytes held beside the entries (a slot's window checkpoint), making
@@ -235,49 +285,64 @@ class HostCache:
         self.bytes -= size
 
     def _make_room(self, size: int) -> None:
-        """Let the spare go, then the oldest entries, until `size` more bytes fit."""
+        """Let the spare go, then the entries' window checkpoints, then the oldest entries,
+        until `size` more bytes fit."""
         if self.spare is not None and self.bytes + size > self.limit:
             self.bytes -= len(self.spare)
             self.spare = None
+        for e in self.entries:
+            while e.checkpoints and self.bytes + size > self.limit:
+                self.bytes -= len(e.checkpoints.pop(0).data)
         while self.entries and self.bytes + size > self.limit:
             self._drop(self.entries[0])
 
     def _checkpoint_bytes(self) -> int:
         """What reserve counts: all but the entries and the spare."""
         spare = len(self.spare) if self.spare is not None else 0
-        return self.bytes - spare - sum(len(e.data) for e in self.entries)
+        return self.bytes - spare - sum(e.held for e in self.entries)
 
-    def best(self, tokens: list[int], than: int, n_swa: int) -> tuple[_Saved | None, int]:
-        """The entry sharing the longest prefix with `tokens`, if longer than `than`, and
-        that length. Like llama-server, an entry must keep a quarter of itself. In a
+    def best(
+        self, tokens: list[int], than: int, n_swa: int
+    ) -> tuple[_Saved | None, int, _WindowCheckpoint | None]:
+        """The entry sharing the longest prefix with `tokens`, if longer than `than`, that
+        length, and the window checkpoint of the entry to restore over it (None: its own
+        cells serve). Like llama-server, an entry must keep a quarter of itself. In a
         sliding-window model only the window's last cells were saved, so an entry serves
-        only prompts that reach its end (or stay within its first window)."""
-        best, n_best = None, than
+        only prompts that reach its end (or stay within its first window), or the prefix
+        one of its window checkpoints gives back."""
+        best, n_best, via = None, than, None
         for e in self.entries:
             n = common_prefix(e.tokens, tokens)
             if n <= n_best or n * 4 < len(e.tokens):
                 continue
+            checkpoint = None
             if n_swa > 0 and max(0, len(e.tokens) - n_swa) > max(0, n - n_swa):
-                continue
-            best, n_best = e, n
-        return best, n_best
+                checkpoint = max(e.checkpoints, key=lambda c: c.reach(n, n_swa), default=None)
+                n = checkpoint.reach(n, n_swa) if checkpoint is not None else 0
+                if n <= n_best:
+                    continue
+            best, n_best, via = e, n, checkpoint
+        return best, n_best, via
 
-    def take(self, entry: _Saved) -> None:
+    def take(self, entry: _Saved) -> list[_WindowCheckpoint]:
         """Hand an entry to a slot (after its state was read): it leaves the cache, and
-        its buffer becomes the spare; a checkpoint stays, as the newest entry."""
+        its buffer becomes the spare; a checkpoint stays, as the newest entry. Returns its
+        window checkpoints, which go to the slot still counted (release what it drops)."""
         if entry.kept:
             self.entries.remove(entry)
             self.entries.append(entry)
-            return
+            return []
+        checkpoints, entry.checkpoints = entry.checkpoints, []
         self._drop(entry)
         if self.spare is not None:
             self.bytes -= len(self.spare)
         self.spare = entry.data
         self.bytes += len(entry.data)
+        return checkpoints
 
     def _drop(self, entry: _Saved) -> None:
         self.entries.remove(entry)
-        self.bytes -= len(entry.data)
+        self.bytes -= entry.held
 
 
 def fits(buffer: ctypes.Array, size: int) -> bool:
@@ -859,8 +924,8 @@ class BatchEngine:
             n = shared[id(s)]
             if self._window_holds(s.seq_id, n):
                 continue
-            best = max(s.checkpoints, key=lambda c: self._checkpoint_reach(c, n), default=None)
-            r = self._checkpoint_reach(best, n) if best is not None else 0
+            best = max(s.checkpoints, key=lambda c: c.reach(n, self.n_swa), default=None)
+            r = best.reach(n, self.n_swa) if best is not None else 0
             if s.seq_id in copying:  # a restore writes at once (above)
                 r = 0
             if r:
@@ -868,25 +933,18 @@ class BatchEngine:
             shared[id(s)] = r
         src = max(free, key=lambda s: (shared[id(s)], -s.last_used))
         n = shared[id(src)]
-        entry, n_host = self.host.best(tokens[:-1], n, self.n_swa)
+        entry, n_host, via = self.host.best(tokens[:-1], n, self.n_swa)
         if entry is not None:
             spare = [s for s in free if s.seq_id not in copying]
             if spare:
                 slot = min(spare, key=_least_valuable)
-                return self._claim(slot, None, n_host, entry, None, grows_to, tokens)
+                return self._claim(slot, None, n_host, entry, via, grows_to, tokens)
         if not n:
             return self._claim(dst, None, 0)
         if dst is src or id(src) in back or len(src.cached) - n <= len(dst.cached):
             checkpoint = back.get(id(src))
             return self._claim(src, None, n, None, checkpoint, grows_to, tokens)
         return self._claim(dst, src, n, None, None, grows_to, tokens)
-
-    def _checkpoint_reach(self, c: _WindowCheckpoint, n: int) -> int:
-        """How many of a prompt's first n tokens (those its slot holds in the other layers)
-        a slot's window checkpoint gives back: up to its own n, if its cells hold the
-        window before that point; 0 otherwise."""
-        r = min(c.n, n)
-        return r if c.low <= self._window_start(r) else 0
 
     def _claim(
         self,
@@ -900,20 +958,22 @@ class BatchEngine:
     ) -> tuple[_Slot, int, bool]:
         """Make `slot` hold the first `reused` of a prompt's `tokens`: its own (back to a
         window checkpoint of its own, given one), copied from slot src, or restored from a
-        host-RAM entry. What of its own cache this throws away is copied to host RAM first,
-        and its window checkpoints past what the prompt shares with it go. Where its
-        sequence may come to hold more than a window (grows_to), the window that holds the
-        reused tokens is checkpointed first (_checkpoint_window), unless only the prompt's
-        last token follows them (the same prompt again): the checkpoint of its end
-        (_mark_window_ends) serves."""
+        host-RAM entry (back to a window checkpoint of the entry's, given one). What of its
+        own cache this throws away is copied to host RAM first, and its window checkpoints
+        past what the prompt shares with it go with that copy (or go, without one); those
+        of a restored entry come to the slot. Where its sequence may come to hold more
+        than a window (grows_to), the window that holds the reused tokens is checkpointed
+        first (_checkpoint_window), unless only the prompt's last token follows them (the
+        same prompt again): the checkpoint of its end (_mark_window_ends) serves."""
         slot.busy = True
         mem, seq = self.memory, slot.seq_id
         in_place = src is None and entry is None
+        keep = common_prefix(slot.cached, tokens) if in_place and reused and tokens else 0
         self._save(slot, reused if in_place else 0)
-        if checkpoint is not None:
-            data, size = checkpoint.data, checkpoint.size
-            if L.llama_state_seq_set_data_ext(self.ctx, data, size, seq, STATE_PARTIAL) != size:
-                reused = 0
+        gone = [c for c in slot.checkpoints if c.n > keep]
+        if gone and self.host.attach(slot.cached, gone):
+            slot.checkpoints = [c for c in slot.checkpoints if c.n <= keep]
+        carried: list[_WindowCheckpoint] = []
         if src is not None:
             # Across KV streams llama.cpp copies whole streams only (at the next decode);
             # the tail beyond the shared prefix is cut after.
@@ -924,16 +984,22 @@ class BatchEngine:
             size = entry.size
             if L.llama_state_seq_set_data(self.ctx, entry.data, size, seq) != size:
                 reused = 0  # llama.cpp found no room or a mismatch: evaluate it all
-            self.host.take(entry)
+            carried = self.host.take(entry)
+        if checkpoint is not None:
+            data, size = checkpoint.data, checkpoint.size
+            if L.llama_state_seq_set_data_ext(self.ctx, data, size, seq, STATE_PARTIAL) != size:
+                reused = 0
         if reused and not L.llama_memory_seq_rm(mem, seq, reused, -1):
             reused = 0
         if reused and not self._window_holds(seq, reused):
             reused = 0  # what was copied or restored lacks the window (_window_holds)
         if not reused:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
-        keep = common_prefix(slot.cached, tokens) if in_place and reused and tokens else 0
         slot.cached, slot.saved = [], False
-        dropped = self._drop_checkpoints(slot, keep)
+        dropped = self._drop_checkpoints(slot, keep if reused else 0)
+        if carried:  # the restored entry's, those within what the prompt shares with it
+            slot.checkpoints = carried
+            dropped += self._drop_checkpoints(slot, reused and common_prefix(entry.tokens, tokens))
         ends_at = len(tokens) if tokens else 0
         if reused and grows_to > self.n_swa and ends_at - reused > 1:
             self._checkpoint_window(slot, reused, slot if src is None else src, dropped)
@@ -978,7 +1044,7 @@ class BatchEngine:
             L.llama_memory_seq_pos_min(self.memory, seq),
             L.llama_memory_seq_pos_max(self.memory, seq) - self.n_swa + 1,
         )
-        if low > self._window_start(n):
+        if low > window_start(n, self.n_swa):
             return
         size = L.llama_state_seq_get_size_ext(self.ctx, seq, STATE_PARTIAL)
         if not size:
@@ -1050,13 +1116,7 @@ class BatchEngine:
         if self.n_swa <= 0 or n <= 0:
             return True
         low = L.llama_memory_seq_pos_min(self.memory, seq_id)
-        return 0 <= low <= self._window_start(n)
-
-    def _window_start(self, n: int) -> int:
-        """The lowest position the sliding-window layers read to decode position n: a
-        token sees the n_swa - 1 positions before it (llama.cpp's standard window mask,
-        is_masked_swa: p1 - p0 >= n_swa is masked)."""
-        return max(0, n - self.n_swa + 1)
+        return 0 <= low <= window_start(n, self.n_swa)
 
     def _copy_stream(self, src: int, dst: int) -> None:
         """Copy slot src's KV into slot dst (llama.cpp does it at the next decode), noting
