@@ -118,6 +118,24 @@ def cached_model(name: str) -> Path:
 
 
 @pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker):
+    """pytest-django's test database, whose teardown could not drop it on PostgreSQL while
+    a connection stayed open elsewhere (one an async view's worker thread opened, which
+    nothing closes): the run then ended with a warning and left test_test behind. Other
+    sessions on the test database are ended first."""
+    yield
+    with django_db_blocker.unblock():
+        from django.db import connection
+
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     return cached_model(SMOLLM2)
 
