@@ -310,19 +310,20 @@ def plan(
     if not usable:
         return Plan("refused", error="no node is ready and open (none registered, or all draining)")
     whole = replica_stage(m, r).total_bytes
-    fits = [n for n in usable if room_of(n) >= replica_stage(m, on_node(r, n)).total_bytes]
+    need = {n.name: replica_stage(m, on_node(r, n)).total_bytes for n in usable}
+    fits = [n for n in usable if room_of(n) >= need[n.name]]
     # A split is what the user forced, or what pinning several nodes of a split asks for.
     wants_split = r.split_mode in ("layer", "tensor") and (len(usable) > 1 or not fits)
     if r.split_mode in ("auto", "none") or not wants_split:
         if fits:
-            return _replicas(m, r, fits, whole)
+            return _replicas(m, r, fits, whole, need)
         if r.split_mode == "none" or len(usable) == 1:
             best = max(usable, key=room_of)
-            need = replica_stage(m, on_node(r, best)).total_bytes
+            one = need[best.name]
             return Plan(
                 "refused",
-                needed_bytes=need,
-                error=f"needs {gib(need)} on one node; the node with the most free memory "
+                needed_bytes=one,
+                error=f"needs {gib(one)} on one node; the node with the most free memory "
                 f"({best.name}) has {gib(max(room_of(best), 0))}",
             )
     return _split(m, r, usable, links, "tensor" if r.split_mode == "tensor" else "layer", whole)
@@ -338,11 +339,13 @@ def room_of(n: NodeState) -> int:
     return n.free_bytes + sum(n.accelerator_bytes)
 
 
-def _replicas(m: ModelFacts, r: Request, fits: list[NodeState], whole: int) -> Plan:
-    """Spread replicas over the nodes that hold a whole copy."""
+def _replicas(
+    m: ModelFacts, r: Request, fits: list[NodeState], whole: int, need: dict[str, int]
+) -> Plan:
+    """Spread replicas over the nodes that hold a whole copy (`need`: bytes one takes on
+    each node, `whole` as planned)."""
     free = {n.name: room_of(n) for n in fits}
     held = {n.name: n.holds for n in fits}
-    need = {n.name: replica_stage(m, on_node(r, n)).total_bytes for n in fits}
     stages: list[Stage] = []
     for _ in range(r.replicas):
         # Spread: the node holding fewest copies of this deployment, then the most free.
