@@ -779,8 +779,11 @@ def document(nonce: str) -> str:
 
 #: What a user does after a long turn (long_chat), and which of those it measures again
 #: after the conversation was pushed out of its slot.
-LONG_CHAT_KINDS = ("next_turn", "regenerate", "edit_last_message")
+LONG_CHAT_KINDS = ("next_turn", "regenerate", "edit_last_message", "edit_earlier_message")
 PUSHED_OUT = ("regenerate", "edit_last_message")
+#: A user's pause to read an answer before the next turn in `edit_earlier_message`, the
+#: least a person takes: the engine spends idle time readying its next window checkpoints.
+READ_ANSWER = 0.5
 
 
 async def long_chat(targets: list[Target], rounds: int) -> dict:
@@ -795,7 +798,10 @@ async def long_chat(targets: list[Target], rounds: int) -> dict:
     the conversation is then served from host RAM, where llama-server's entries carry
     their checkpoints. (One after another they did not push it out here: each took the
     slot the one before had used, which shares the chat template's first tokens and
-    holds less.)"""
+    holds less.) And a message edited two turns before the last
+    (`edit_earlier_message`), after a long answer and one more turn, the user reading each
+    answer (READ_ANSWER): it goes back past the last two prompts' checkpoints (llama-server
+    keeps 32 a slot)."""
     kinds = (*LONG_CHAT_KINDS, *(f"{k}_pushed_out" for k in PUSHED_OUT))
     rows = {t.name: {k: {"ttft": [], "cached": [], "prompt": []} for k in kinds} for t in targets}
     async with http_client() as client:
@@ -809,21 +815,29 @@ async def long_chat(targets: list[Target], rounds: int) -> dict:
                         res = await chat(client, t, messages, 64)
                         messages.append({"role": "assistant", "content": res["text"]})
                     what = kind.removesuffix("_pushed_out")
-                    if what == "regenerate":
+                    if what == "edit_earlier_message":
+                        for k, most in ((2, 640), (3, 64)):
+                            await asyncio.sleep(READ_ANSWER)
+                            messages += story(k, nonce)
+                            res = await chat(client, t, messages, most)
+                            messages.append({"role": "assistant", "content": res["text"]})
+                        # The second question edited: back to the prompt before it.
+                        messages = messages[:3] + story(4, f"{nonce} revised")
+                        await asyncio.sleep(READ_ANSWER)
+                    elif what == "regenerate":
                         messages += story(2, nonce)
                         res = await chat(client, t, messages, 640)
+                        # The same prompt again.
                     else:
                         ask = "Summarise these notes in three sentences."
                         messages.append({"role": "user", "content": f"{document(nonce)}\n{ask}"})
                         res = await chat(client, t, messages, 64)
-                    messages.append({"role": "assistant", "content": res["text"]})
-                    if what == "next_turn":
-                        messages += story(3, nonce)
-                    elif what == "regenerate":
-                        messages = messages[:-1]
-                    else:
-                        edited = f"{document(nonce + ' revised')}\nList the three main points."
-                        messages = messages[:-2] + [{"role": "user", "content": edited}]
+                        if what == "next_turn":
+                            messages.append({"role": "assistant", "content": res["text"]})
+                            messages += story(3, nonce)
+                        else:
+                            edited = f"{document(nonce + ' revised')}\nList the three main points."
+                            messages = messages[:-1] + [{"role": "user", "content": edited}]
                     if what != kind:  # as many other users at once as there are slots
                         others = [
                             [

@@ -66,6 +66,7 @@ TARGETS = [
             ("next_turn", "the next question"),
             ("regenerate", "the long answer regenerated"),
             ("edit_last_message", "the last message edited"),
+            ("edit_earlier_message", "a message two turns back edited"),
             ("regenerate_pushed_out", "regenerated after 8 others took every slot"),
             ("edit_last_message_pushed_out", "edited after 8 others took every slot"),
         )

@@ -922,6 +922,44 @@ def long_story_chat(e: BatchEngine) -> tuple[list[dict], list[int], list[int], i
     return messages, first, prompt, reused
 
 
+def test_an_edit_further_back_restores_an_older_window_checkpoint(gemma_path):
+    """A message edited two turns before the last goes back to where that turn's prompt
+    began: past the last two prompts' checkpoints (FIRM_CHECKPOINTS). Between turns, while
+    idle, the slot gets buffers for its next checkpoints (a fresh one on the way to a first
+    token cost up to 15 ms), and with them keeps its older checkpoints instead of letting
+    them go for their buffers (llama-server keeps 32 a slot)."""
+    from apps.catalog.sources import GEMMA_CHAT_TEMPLATE
+    from workers.engine.core import FIRM_CHECKPOINTS
+
+    e = BatchEngine(str(gemma_path), context_length=2048, parallel=2, threads=2, swa_full=False)
+    try:
+        messages, _, prompt, reused = long_story_chat(e)
+        while e.save_ahead():  # the user reads the answer
+            pass
+        slot = next(s for s in e.slots if s.cached)
+        assert len(slot.spares) == 2
+        answer = b"".join(e.token_bytes(t) for t in slot.cached[len(prompt) :])
+        question = {"role": "user", "content": "Write a long story about a city under the ice."}
+        history = [*messages, question, {"role": "assistant", "content": answer.decode()}]
+        for k, q in enumerate(("Who was the mayor?", "What did the dragon eat?")):
+            history.append({"role": "user", "content": q})
+            turn = chat_tokens(e, history, GEMMA_CHAT_TEMPLATE)
+            texts, _, _ = run(e, [Request(f"t{k}", turn, 16, GREEDY)])
+            history.append({"role": "assistant", "content": texts[f"t{k}"]})
+            while e.save_ahead():
+                pass
+        assert len(slot.checkpoints) > FIRM_CHECKPOINTS
+        assert reused in [c.n for c in slot.checkpoints]  # where the second prompt began
+        edited = [*messages, {"role": "user", "content": "Write a long story about a lighthouse."}]
+        tokens = chat_tokens(e, edited, GEMMA_CHAT_TEMPLATE)
+        texts, done, errors = run(e, [Request("edit", tokens, 16, GREEDY)])
+        assert not errors and done["edit"].usage["cached_tokens"] >= reused - 8
+        solo, _, _ = run(e, [Request("solo", tokens, 16, GREEDY, cache_prompt=False)])
+        assert texts["edit"] == solo["solo"]
+    finally:
+        e.close()
+
+
 def test_a_regenerated_long_answer_restores_the_slots_window_checkpoint(gemma_path):
     """The same for an answer regenerated after it ran a window past its prompt: the
     window is copied where the prompt's new tokens begin, before they are read (llama.cpp
@@ -1006,6 +1044,51 @@ def test_no_window_checkpoint_is_copied_from_a_slot_past_the_prefixs_window(gemm
         assert [c.n for c in other.checkpoints] == [len(system + question)]
     finally:
         e.close()
+
+
+def test_a_slots_older_window_checkpoints_and_spares_only_fill_room_nothing_else_needs():
+    """A slot keeps up to SLOT_CHECKPOINTS window checkpoints; only its newest
+    FIRM_CHECKPOINTS (the last two prompts') may push host-RAM entries out. Its older ones
+    and its spare buffers use room nothing else asks for, and go first, the oldest first,
+    when an entry or a newer checkpoint needs it; except the spares of the slot used last,
+    readied for the turn likeliest to come next."""
+    from workers.engine.core import FIRM_CHECKPOINTS, _Slot, _WindowCheckpoint
+
+    cache = HostCache(limit_bytes=1000)
+    a, b = _Slot(0, last_used=1.0), _Slot(1, last_used=2.0)
+    cache.slots = [a, b]
+    for slot in (a, b, a):  # a's are the oldest and the newest
+        for n in range(FIRM_CHECKPOINTS):
+            assert cache.reserve(50)
+            slot.checkpoints.append(_WindowCheckpoint(10 * n, data(50), 50))
+    assert cache.bytes == 600 and len(a.checkpoints) == 2 * FIRM_CHECKPOINTS
+    for slot in (a, b):  # a spare each, from free room
+        assert cache.reserve_free(100)
+        slot.spares.append(data(100))
+    assert not cache.reserve_free(201) and cache.bytes == 800  # no room: nothing dropped
+    cache.add([1] * 40, data(450))  # an entry: a's spare goes, then a's three oldest
+    assert not a.spares and len(b.spares) == 1 and cache.bytes == 1000
+    assert [len(s.checkpoints) for s in (a, b)] == [FIRM_CHECKPOINTS + 1, FIRM_CHECKPOINTS]
+    cache.add([2] * 40, data(300))  # a's last older one, then the entry before
+    assert [e.tokens[0] for e in cache.entries] == [2] and cache.bytes == 800
+    assert [len(s.checkpoints) for s in (a, b)] == [FIRM_CHECKPOINTS, FIRM_CHECKPOINTS]
+    # The newest checkpoints and b's spare hold their room; new checkpoints take the entry's.
+    assert not cache.reserve(701) and cache.bytes == 800
+    assert cache.reserve(200) and cache.reserve(100) and not cache.entries
+    assert cache.bytes == 800 and len(b.spares) == 1
+    # A copy made ahead of need (of a slot that still holds it) takes room from entries,
+    # not from older checkpoints: those are the only copy of what they hold.
+    cache.add([3] * 40, data(100))
+    older = _WindowCheckpoint(5, data(50), 50)
+    assert cache.reserve_free(50) and cache.bytes == 950
+    a.checkpoints.insert(0, older)
+    cache.add([4] * 40, data(100), ahead=True)
+    assert older in a.checkpoints and [e.tokens[0] for e in cache.entries] == [4]
+    assert cache.reserve(100, checkpoints=False)  # a spare for b, likewise
+    assert older in a.checkpoints and not cache.entries and cache.bytes == 950
+    cache.add([5] * 40, data(100))  # a copy made at need: the older checkpoint goes
+    assert older not in a.checkpoints and [e.tokens[0] for e in cache.entries] == [5]
+    assert cache.bytes == 1000
 
 
 def test_window_checkpoints_count_against_the_host_cache_and_make_room_in_it():

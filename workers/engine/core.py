@@ -25,12 +25,14 @@ from __future__ import annotations
 import codecs
 import ctypes
 import dataclasses
+import itertools
 import math
 import random
 import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import llama_cpp as L
 
@@ -61,11 +63,17 @@ HOST_CACHE_MIN_TOKENS = 32
 #: it, and 64 MiB took about 40 ms here. A larger sequence is copied when a request takes
 #: its slot, as before.
 SAVE_AHEAD_BYTES = 64 << 20
-#: Window checkpoints a slot keeps (_WindowCheckpoint), the oldest dropped first: where
-#: the last two prompts of its conversation started their new tokens and where they ended.
-#: Each holds the sliding-window layers' cells of one sequence (gemma-3-270m: up to 16 MiB)
-#: and counts against the host-RAM cache's limit; llama-server keeps up to 32 per slot.
-SLOT_CHECKPOINTS = 4
+#: Window checkpoints a slot (or a host-RAM entry) keeps (_WindowCheckpoint), the oldest
+#: dropped first: two a prompt, where its new tokens started and where it ended, so 32 (as
+#: llama-server's --ctx-checkpoints) reach an edit 16 messages back. Each holds the
+#: sliding-window layers' cells of one sequence (gemma-3-270m: up to 16 MiB) and counts
+#: against the host-RAM cache's limit.
+SLOT_CHECKPOINTS = 32
+#: Of a slot's or an entry's checkpoints, the newest that may take room from host-RAM
+#: entries (the last two prompts': a regenerate, an edit of the last message). The older
+#: ones serve an edit further back, which is rarer than a conversation's next turn: they
+#: only fill room nothing else asks for, and go first, oldest first, when room runs out.
+FIRM_CHECKPOINTS = 4
 #: The part of a sequence's state a window checkpoint copies: the sliding-window layers'.
 STATE_PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 #: Flash attention settings (the agent's --flash-attn), as llama-server's -fa takes them.
@@ -138,6 +146,8 @@ class _WindowCheckpoint:
     #: The lowest position those cells hold: the checkpoint serves any prefix up to n whose
     #: window starts there or later.
     low: int = 0
+    #: When it was made, in a count of checkpoints: the oldest go first (HostCache._extras).
+    made: int = field(default_factory=itertools.count().__next__)
 
     def reach(self, n: int, n_swa: int) -> int:
         """How many of a prompt's first n tokens (those its sequence holds in the other
@@ -163,8 +173,12 @@ class _Slot:
     last_used: float = 0.0
     busy: bool = False
     saved: bool = False  # save_ahead has taken `cached` in hand (copied, or not worth it)
+    readied: bool = False  # save_ahead has made spares for its next checkpoints, if any
     prompt_len: int = 0  # of `cached`, the last request's prompt; the rest its answer
     checkpoints: list[_WindowCheckpoint] = field(default_factory=list)  # oldest first
+    #: Buffers for its next window checkpoints, made while idle (BatchEngine._spare_buffers)
+    #: and counted by the host cache already.
+    spares: list[ctypes.Array] = field(default_factory=list)
 
 
 @dataclass
@@ -197,9 +211,10 @@ class HostCache:
     newer entry contains is dropped as redundant, except a checkpoint (in a sliding-window
     model a longer entry keeps only its last window, so it cannot serve the checkpoint's
     prompts); an entry restored into a slot leaves the cache (the slot has it now), a
-    checkpoint stays. Room is made from the entries' window checkpoints before the entries
-    themselves, oldest first: an entry serves its conversation's next turn, its window
-    checkpoints only a regenerate or an edit.
+    checkpoint stays. Room is made from window checkpoints before the entries themselves,
+    oldest first: an entry serves its conversation's next turn, a checkpoint only a
+    regenerate or an edit. The checkpoints of slots and entries beyond their newest
+    FIRM_CHECKPOINTS (an edit further back) go first, then the entries' others.
 
     The buffer of the entry restored last is kept as a spare for the next save: a fresh
     buffer costs more than the copy itself (the kernel zeroes its pages, ctypes zeroes them
@@ -212,6 +227,9 @@ class HostCache:
         self.entries: list[_Saved] = []  # oldest first
         self.bytes = 0
         self.spare: ctypes.Array | None = None
+        #: The engine's slots, whose window checkpoints reserve counts: their older ones
+        #: make room first (_extras).
+        self.slots: list[_Slot] = []
 
     def holds(self, tokens: list[int]) -> bool:
         """True when an entry already has all of `tokens`."""
@@ -228,12 +246,19 @@ class HostCache:
         return (ctypes.c_uint8 * size)()
 
     def add(
-        self, tokens: list[int], data: ctypes.Array, size: int | None = None, kept: bool = False
+        self,
+        tokens: list[int],
+        data: ctypes.Array,
+        size: int | None = None,
+        kept: bool = False,
+        ahead: bool = False,
     ) -> None:
         """Keep the first `size` bytes of `data` (all of it by default) for `tokens`; `kept`
-        for a checkpoint."""
+        for a checkpoint. A copy made `ahead` of need (of a slot that still holds it) takes
+        room from spares and entries only, not from window checkpoints: those are the only
+        copy of what they hold."""
         held = len(data)
-        if self._checkpoint_bytes() + held > self.limit:
+        if self._firm_slot_bytes(checkpoints=not ahead) + held > self.limit:
             return  # window checkpoints hold the rest (reserve)
         carried: list[_WindowCheckpoint] = []
         for e in [
@@ -245,7 +270,7 @@ class HostCache:
             carried += e.checkpoints  # prefixes of the new one too: they go with it
             e.checkpoints = []
             self._drop(e)  # contained in the new one
-        self._make_room(held)
+        self._make_room(held, checkpoints=not ahead)
         self.entries.append(_Saved(list(tokens), data, held if size is None else size, kept))
         self.bytes += held
         if not self.attach(tokens, carried):  # a checkpoint of a shared prefix takes none
@@ -270,13 +295,14 @@ class HostCache:
             self.bytes -= len(entry.checkpoints.pop(0).data)
         return True
 
-    def reserve(self, size: int) -> bool:
-        """Count `size` bytes held beside the entries (a slot's window checkpoint), making
-        room by letting the spare go, then the oldest entries; False, dropping nothing, when
-        the other checkpoints leave none."""
-        if self._checkpoint_bytes() + size > self.limit:
+    def reserve(self, size: int, checkpoints: bool = True) -> bool:
+        """Count `size` bytes held beside the entries (a slot's window checkpoint, or without
+        `checkpoints` a spare buffer, which takes no room from them), making room as
+        _make_room does; False, dropping nothing, when the slots' newest checkpoints leave
+        none."""
+        if self._firm_slot_bytes(checkpoints) + size > self.limit:
             return False
-        self._make_room(size)
+        self._make_room(size, checkpoints)
         self.bytes += size
         return True
 
@@ -284,22 +310,61 @@ class HostCache:
         """Stop counting bytes that reserve counted."""
         self.bytes -= size
 
-    def _make_room(self, size: int) -> None:
-        """Let the spare go, then the entries' window checkpoints, then the oldest entries,
-        until `size` more bytes fit."""
+    def reserve_free(self, size: int) -> bool:
+        """Count `size` bytes for a buffer made ahead of need (a slot's spare), from room
+        nothing else holds; False when there is none (nothing is dropped for it)."""
+        if self.bytes + size > self.limit:
+            return False
+        self.bytes += size
+        return True
+
+    def _make_room(self, size: int, checkpoints: bool = True) -> None:
+        """Let the spares go (the cache's, then those of slots but the one used last),
+        then the older window checkpoints of slots and entries (_extras), then the entries'
+        others, then the oldest entries, until `size` more bytes fit; without
+        `checkpoints`, from the spares and whole entries only."""
         if self.spare is not None and self.bytes + size > self.limit:
             self.bytes -= len(self.spare)
             self.spare = None
-        for e in self.entries:
+        last = self._last_used()
+        for slot in self.slots:
+            while slot is not last and slot.spares and self.bytes + size > self.limit:
+                self.bytes -= len(slot.spares.pop())
+        for holder, c in self._extras() if checkpoints else ():
+            if self.bytes + size <= self.limit:
+                break
+            holder.checkpoints.remove(c)
+            self.bytes -= len(c.data)
+        for e in self.entries if checkpoints else ():
             while e.checkpoints and self.bytes + size > self.limit:
                 self.bytes -= len(e.checkpoints.pop(0).data)
         while self.entries and self.bytes + size > self.limit:
             self._drop(self.entries[0])
 
-    def _checkpoint_bytes(self) -> int:
-        """What reserve counts: all but the entries and the spare."""
+    def _extras(self) -> list[tuple[_Slot | _Saved, _WindowCheckpoint]]:
+        """The window checkpoints of slots and entries beyond their newest
+        FIRM_CHECKPOINTS, with their holders, oldest first: the first to make room."""
+        extras = [
+            (h, c) for h in (*self.slots, *self.entries) for c in h.checkpoints[:-FIRM_CHECKPOINTS]
+        ]
+        return sorted(extras, key=lambda hc: hc[1].made)
+
+    def _firm_slot_bytes(self, checkpoints: bool = True) -> int:
+        """What reserve counts (all but the entries and the spare), less what of the
+        slots' room _make_room can take (`checkpoints`: their older checkpoints too)."""
         spare = len(self.spare) if self.spare is not None else 0
-        return self.bytes - spare - sum(e.held for e in self.entries)
+        last = self._last_used()
+        extra = sum(
+            (sum(len(c.data) for c in s.checkpoints[:-FIRM_CHECKPOINTS]) if checkpoints else 0)
+            + (sum(len(b) for b in s.spares) if s is not last else 0)
+            for s in self.slots
+        )
+        return self.bytes - spare - sum(e.held for e in self.entries) - extra
+
+    def _last_used(self) -> _Slot | None:
+        """The slot used last: its spares, readied for its conversation's next turn (the
+        likeliest to come), are kept as its newest checkpoints are."""
+        return max(self.slots, key=lambda s: s.last_used, default=None)
 
     def best(
         self, tokens: list[int], than: int, n_swa: int
@@ -517,6 +582,7 @@ class BatchEngine:
         self.slots = [_Slot(i) for i in range(self.parallel)]
         # Not for splits: a saved state would be read from the stages' KV over the network.
         self.host = HostCache(0 if self.invariant or rpc_servers else host_cache_bytes)
+        self.host.slots = self.slots
         self.n_swa = L.llama_model_n_swa(self.model)
         # Slots keep window checkpoints (_checkpoint_window) under the window cache only.
         self.window_checkpoints = self.n_swa > 0 and not self.swa_full and self.host.limit > 0
@@ -995,7 +1061,7 @@ class BatchEngine:
             reused = 0  # what was copied or restored lacks the window (_window_holds)
         if not reused:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
-        slot.cached, slot.saved = [], False
+        slot.cached, slot.saved, slot.readied = [], False, False
         dropped = self._drop_checkpoints(slot, keep if reused else 0)
         if carried:  # the restored entry's, those within what the prompt shares with it
             slot.checkpoints = carried
@@ -1027,9 +1093,12 @@ class BatchEngine:
         checkpoints a slot at the start of each prompt's last user message; a
         conversation's next prompt starts its new tokens about there.
 
-        A buffer of a checkpoint let go (spares, or the slot's oldest when it holds
-        SLOT_CHECKPOINTS) is reused where it fits: a fresh one took 4-9 ms for 4-8 MiB
-        here (the kernel's and ctypes' zeroing), the copy into a used one about 1 ms."""
+        A fresh buffer took 4-9 ms for 4-8 MiB here (the kernel's and ctypes' zeroing;
+        15 ms for 16 MiB on a later machine), the copy into a used one 1-2.5 ms: a spare
+        of the slot's made while idle (_spare_buffers) is used first, and the slot keeps
+        its checkpoints (up to SLOT_CHECKPOINTS); without one, once it holds
+        FIRM_CHECKPOINTS, its oldest makes way and lends its buffer where it fits, as does
+        one let go (spares)."""
         if (
             not self.window_checkpoints
             or n < HOST_CACHE_MIN_TOKENS
@@ -1049,15 +1118,20 @@ class BatchEngine:
         size = L.llama_state_seq_get_size_ext(self.ctx, seq, STATE_PARTIAL)
         if not size:
             return
-        if len(slot.checkpoints) >= SLOT_CHECKPOINTS:
+        data = next((b for b in slot.spares if fits(b, size)), None)
+        if data is not None:  # counted already
+            slot.spares.remove(data)
+        if len(slot.checkpoints) >= (FIRM_CHECKPOINTS if data is None else SLOT_CHECKPOINTS):
             old = slot.checkpoints.pop(0)
             self.host.release(len(old.data))
             spares = [*spares, old.data]
-        data = next((b for b in spares if fits(b, size)), None)
-        held = len(data) if data is not None else size
-        if not self.host.reserve(held):
-            return
-        data = data if data is not None else (ctypes.c_uint8 * size)()
+        held = len(data) if data is not None else 0
+        if data is None:
+            data = next((b for b in spares if fits(b, size)), None)
+            held = len(data) if data is not None else size
+            if not self.host.reserve(held):
+                return
+            data = data if data is not None else (ctypes.c_uint8 * size)()
         if L.llama_state_seq_get_data_ext(self.ctx, data, size, seq, STATE_PARTIAL) == size:
             slot.checkpoints.append(_WindowCheckpoint(n, data, size, low))
         else:
@@ -1134,15 +1208,49 @@ class BatchEngine:
         idle), copied unless too short, held already or over SAVE_AHEAD_BYTES; False once
         every slot has been taken in hand since it last changed. A slot whose conversation
         continues in place leaves its copy behind until a longer copy of it replaces it
-        (HostCache.add), so at most one such copy per slot is held."""
+        (HostCache.add), so at most one such copy per slot is held.
+
+        Before that, the buffers for each slot's next window checkpoints (_spare_buffers),
+        the slot used last first: its conversation is the likeliest to go on, and a user
+        reading its answer may leave half a second of idle time."""
         if not self.host.limit or not self.idle():
             return False
+        by_use = sorted(self.slots, key=lambda s: s.last_used, reverse=True)
+        for slot in by_use:
+            if not slot.readied:
+                slot.readied = True
+                if self._spare_buffers(slot, last=slot is by_use[0]):
+                    return True
         for slot in sorted(self.slots, key=_least_valuable):
             if not slot.saved:
                 slot.saved = True
                 self._save(slot, 0, SAVE_AHEAD_BYTES)  # unless short, held, or mid-copy
                 return True
         return False
+
+    def _spare_buffers(self, slot: _Slot, last: bool) -> bool:
+        """While idle, make buffers for a slot's next two window checkpoints (a prompt
+        makes two): a fresh buffer on the way to a first token cost up to 15 ms
+        (_checkpoint_window), and with one at hand the slot keeps its older checkpoints
+        instead of letting one go for its buffer. For the slot used last (`last`), whose
+        conversation likely goes on, the oldest host-RAM entries (mostly copies of what
+        slots still hold) may make room, window checkpoints not; for the others, only
+        room nothing else holds. Sized a quarter over the slot's sliding-window cells
+        now: a conversation's grow until they hold a window. True when it made one."""
+        if not self.window_checkpoints or len(slot.cached) < HOST_CACHE_MIN_TOKENS:
+            return False
+        size = L.llama_state_seq_get_size_ext(self.ctx, slot.seq_id, STATE_PARTIAL)
+        want = size * 5 // 4
+        for b in [b for b in slot.spares if len(b) < size]:  # outgrown
+            slot.spares.remove(b)
+            self.host.release(len(b))
+        made = False
+
+        reserve = partial(self.host.reserve, checkpoints=False) if last else self.host.reserve_free
+        while size and len(slot.spares) < 2 and reserve(want):
+            slot.spares.append((ctypes.c_uint8 * want)())
+            made = True
+        return made
 
     def _save(self, slot: _Slot, keep: int, most: int = 0) -> None:
         """Copy the slot's cached sequence to host RAM when a new request keeps only `keep`
@@ -1170,7 +1278,7 @@ class BatchEngine:
             return
         data = self.host.buffer(size)
         if L.llama_state_seq_get_data(self.ctx, data, size, seq_id) == size:
-            self.host.add(tokens, data, size, kept)
+            self.host.add(tokens, data, size, kept, ahead=bool(most))
 
     def _resume(self, seq: _Sequence, events: list[Token | Done | Error]) -> None:
         """Take over a generation: its tokens count as generated, unsent text is sent."""
@@ -1489,7 +1597,7 @@ class BatchEngine:
         slot = self.slots[seq.seq_id]
         slot.busy = False
         slot.last_used = time.monotonic()
-        slot.saved = False
+        slot.saved = slot.readied = False
         if keep_cache and not self.invariant:
             slot.cached = (seq.prefill + seq.sampled)[: seq.n_past]
             slot.prompt_len = min(len(seq.prefill), len(slot.cached))
