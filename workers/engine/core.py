@@ -1233,9 +1233,9 @@ class BatchEngine:
         makes two): a fresh buffer on the way to a first token cost up to 15 ms
         (_checkpoint_window), and with one at hand the slot keeps its older checkpoints
         instead of letting one go for its buffer. For the slot used last (`last`), whose
-        conversation likely goes on, the oldest host-RAM entries (mostly copies of what
-        slots still hold) may make room, window checkpoints not; for the others, only
-        room nothing else holds. Sized a quarter over the slot's sliding-window cells
+        conversation likely goes on, the oldest host-RAM entries may make room, as for
+        a copy made ahead of need, but window checkpoints not; for the others, only room
+        nothing else holds. Sized a quarter over the slot's sliding-window cells
         now: a conversation's grow until they hold a window. True when it made one."""
         if not self.window_checkpoints or len(slot.cached) < HOST_CACHE_MIN_TOKENS:
             return False
