@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import CHAT, OWLS, TRAINS
 from workers.engine import errors as codes
-from workers.engine.core import BatchEngine, HostCache, Request, Sampling, common_prefix
+from workers.engine.core import BatchEngine, HostCache, Request, Room, Sampling, common_prefix
 from workers.engine.errors import EngineError
 from workers.engine.events import Batch, Done, Token
 
@@ -1063,9 +1063,9 @@ def test_a_slots_older_window_checkpoints_and_spares_only_fill_room_nothing_else
             slot.checkpoints.append(_WindowCheckpoint(10 * n, data(50), 50))
     assert cache.bytes == 600 and len(a.checkpoints) == 2 * FIRM_CHECKPOINTS
     for slot in (a, b):  # a spare each, from free room
-        assert cache.reserve_free(100)
+        assert cache.reserve(100, Room.FREE)
         slot.spares.append(data(100))
-    assert not cache.reserve_free(201) and cache.bytes == 800  # no room: nothing dropped
+    assert not cache.reserve(201, Room.FREE) and cache.bytes == 800  # no room: nothing dropped
     cache.add([1] * 40, data(450))  # an entry: a's spare goes, then a's three oldest
     assert not a.spares and len(b.spares) == 1 and cache.bytes == 1000
     assert [len(s.checkpoints) for s in (a, b)] == [FIRM_CHECKPOINTS + 1, FIRM_CHECKPOINTS]
@@ -1080,15 +1080,38 @@ def test_a_slots_older_window_checkpoints_and_spares_only_fill_room_nothing_else
     # not from older checkpoints: those are the only copy of what they hold.
     cache.add([3] * 40, data(100))
     older = _WindowCheckpoint(5, data(50), 50)
-    assert cache.reserve_free(50) and cache.bytes == 950
+    assert cache.reserve(50, Room.FREE) and cache.bytes == 950
     a.checkpoints.insert(0, older)
-    cache.add([4] * 40, data(100), ahead=True)
+    cache.add([4] * 40, data(100), room=Room.ENTRIES)
     assert older in a.checkpoints and [e.tokens[0] for e in cache.entries] == [4]
-    assert cache.reserve(100, checkpoints=False)  # a spare for b, likewise
+    assert cache.reserve(100, Room.ENTRIES)  # a spare for b, likewise
     assert older in a.checkpoints and not cache.entries and cache.bytes == 950
     cache.add([5] * 40, data(100))  # a copy made at need: the older checkpoint goes
     assert older not in a.checkpoints and [e.tokens[0] for e in cache.entries] == [5]
     assert cache.bytes == 1000
+
+
+def test_an_entry_let_go_for_room_takes_its_window_checkpoints_with_it():
+    """An entry's window checkpoints serve only restored over it: when it goes, their bytes
+    go too, and under Room.ALL they count as room that can be made (one list, _droppable,
+    says both what may go and in which order)."""
+    from workers.engine.core import _WindowCheckpoint
+
+    cache = HostCache(limit_bytes=1000)
+    cache.add([1] * 40, data(300))
+    assert cache.reserve(200)  # a slot's checkpoint of that prompt, handed to the entry
+    assert cache.attach([1] * 20, [_WindowCheckpoint(20, data(200), 200)])
+    assert cache.bytes == 500
+    cache.add([2] * 40, data(600), room=Room.ENTRIES)  # made ahead: the entry goes whole
+    assert [e.tokens[0] for e in cache.entries] == [2] and cache.bytes == 600
+    cache.add([3] * 40, data(100))
+    assert cache.reserve(100) and cache.attach([3] * 20, [_WindowCheckpoint(20, data(100), 100)])
+    assert cache.bytes == 800
+    # Under Room.ALL the entries' checkpoints go before the entries, even the older entry.
+    assert cache.reserve(250) and [e.tokens[0] for e in cache.entries] == [2, 3]
+    assert not cache.entries[1].checkpoints and cache.bytes == 950
+    assert not cache.reserve(751) and cache.bytes == 950  # the 250 hold their room
+    assert cache.reserve(750) and not cache.entries and cache.bytes == 1000
 
 
 def test_window_checkpoints_count_against_the_host_cache_and_make_room_in_it():

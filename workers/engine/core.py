@@ -25,12 +25,14 @@ from __future__ import annotations
 import codecs
 import ctypes
 import dataclasses
+import enum
 import itertools
 import math
 import random
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -146,7 +148,7 @@ class _WindowCheckpoint:
     #: The lowest position those cells hold: the checkpoint serves any prefix up to n whose
     #: window starts there or later.
     low: int = 0
-    #: When it was made, in a count of checkpoints: the oldest go first (HostCache._extras).
+    #: When it was made, in a count of checkpoints: the oldest go first (HostCache._droppable).
     made: int = field(default_factory=itertools.count().__next__)
 
     def reach(self, n: int, n_swa: int) -> int:
@@ -204,6 +206,15 @@ class _Saved:
         return len(self.data) + sum(len(c.data) for c in self.checkpoints)
 
 
+class Room(enum.Enum):
+    """What may go to make room in the host cache for a new holding (HostCache.reserve):
+    each level also lets go what the one before it does."""
+
+    FREE = 0  # nothing: only room nothing holds (a buffer readied while idle)
+    ENTRIES = 1  # spares and whole entries (a copy made ahead of need, of data a slot holds)
+    ALL = 2  # window checkpoints too, the older first (what is needed now)
+
+
 class HostCache:
     """Prompt prefixes pushed out of slots, in host RAM: the same idea as llama-server's
     --cache-ram. Entries are whole sequences (llama_state_seq_get_data), oldest dropped first
@@ -211,15 +222,12 @@ class HostCache:
     newer entry contains is dropped as redundant, except a checkpoint (in a sliding-window
     model a longer entry keeps only its last window, so it cannot serve the checkpoint's
     prompts); an entry restored into a slot leaves the cache (the slot has it now), a
-    checkpoint stays. Room is made from window checkpoints before the entries themselves,
-    oldest first: an entry serves its conversation's next turn, a checkpoint only a
-    regenerate or an edit. The checkpoints of slots and entries beyond their newest
-    FIRM_CHECKPOINTS (an edit further back) go first, then the entries' others.
+    checkpoint stays. What makes room, and in which order, is _droppable's one list.
 
     The buffer of the entry restored last is kept as a spare for the next save: a fresh
     buffer costs more than the copy itself (the kernel zeroes its pages, ctypes zeroes them
     again), and a save usually comes right before a restore. `bytes` counts the spare too,
-    and the slots' window checkpoints (reserve).
+    and the slots' window checkpoints and spare buffers (reserve).
     """
 
     def __init__(self, limit_bytes: int):
@@ -227,8 +235,8 @@ class HostCache:
         self.entries: list[_Saved] = []  # oldest first
         self.bytes = 0
         self.spare: ctypes.Array | None = None
-        #: The engine's slots, whose window checkpoints reserve counts: their older ones
-        #: make room first (_extras).
+        #: The engine's slots, whose window checkpoints and spares reserve counts: some
+        #: of them make room (_droppable).
         self.slots: list[_Slot] = []
 
     def holds(self, tokens: list[int]) -> bool:
@@ -251,14 +259,14 @@ class HostCache:
         data: ctypes.Array,
         size: int | None = None,
         kept: bool = False,
-        ahead: bool = False,
+        room: Room = Room.ALL,
     ) -> None:
         """Keep the first `size` bytes of `data` (all of it by default) for `tokens`; `kept`
-        for a checkpoint. A copy made `ahead` of need (of a slot that still holds it) takes
-        room from spares and entries only, not from window checkpoints: those are the only
+        for a checkpoint. `room` says what may go for it: a copy made ahead of need (of a
+        slot that still holds it) lets no window checkpoint go, since those are the only
         copy of what they hold."""
         held = len(data)
-        if self._firm_slot_bytes(checkpoints=not ahead) + held > self.limit:
+        if not self._fits(held, room):
             return  # window checkpoints hold the rest (reserve)
         carried: list[_WindowCheckpoint] = []
         for e in [
@@ -270,7 +278,7 @@ class HostCache:
             carried += e.checkpoints  # prefixes of the new one too: they go with it
             e.checkpoints = []
             self._drop(e)  # contained in the new one
-        self._make_room(held, checkpoints=not ahead)
+        self._make_room(held, room)
         self.entries.append(_Saved(list(tokens), data, held if size is None else size, kept))
         self.bytes += held
         if not self.attach(tokens, carried):  # a checkpoint of a shared prefix takes none
@@ -295,14 +303,13 @@ class HostCache:
             self.bytes -= len(entry.checkpoints.pop(0).data)
         return True
 
-    def reserve(self, size: int, checkpoints: bool = True) -> bool:
-        """Count `size` bytes held beside the entries (a slot's window checkpoint, or without
-        `checkpoints` a spare buffer, which takes no room from them), making room as
-        _make_room does; False, dropping nothing, when the slots' newest checkpoints leave
-        none."""
-        if self._firm_slot_bytes(checkpoints) + size > self.limit:
+    def reserve(self, size: int, room: Room = Room.ALL) -> bool:
+        """Count `size` bytes held beside the entries (a slot's window checkpoint or spare
+        buffer), letting go what `room` allows to make room; False, letting nothing go,
+        when that would not make enough."""
+        if not self._fits(size, room):
             return False
-        self._make_room(size, checkpoints)
+        self._make_room(size, room)
         self.bytes += size
         return True
 
@@ -310,56 +317,55 @@ class HostCache:
         """Stop counting bytes that reserve counted."""
         self.bytes -= size
 
-    def reserve_free(self, size: int) -> bool:
-        """Count `size` bytes for a buffer made ahead of need (a slot's spare), from room
-        nothing else holds; False when there is none (nothing is dropped for it)."""
-        if self.bytes + size > self.limit:
-            return False
-        self.bytes += size
-        return True
-
-    def _make_room(self, size: int, checkpoints: bool = True) -> None:
-        """Let the spares go (the cache's, then those of slots but the one used last),
-        then the older window checkpoints of slots and entries (_extras), then the entries'
-        others, then the oldest entries, until `size` more bytes fit; without
-        `checkpoints`, from the spares and whole entries only."""
-        if self.spare is not None and self.bytes + size > self.limit:
-            self.bytes -= len(self.spare)
-            self.spare = None
+    def _droppable(self, room: Room) -> list[tuple[int, Callable[[], None]]]:
+        """What `room` lets go, in the order it goes, each with the bytes it frees: the
+        cache's spare, the spares of slots but the one used last (kept as its newest
+        checkpoints are: its conversation's next turn is the likeliest to come), then under
+        Room.ALL the window checkpoints of slots and entries beyond their newest
+        FIRM_CHECKPOINTS, oldest first, then the entries' others, then the entries, oldest
+        first (with any checkpoints they still have, which serve only over them)."""
+        if room is Room.FREE:
+            return []
+        out: list[tuple[int, Callable[[], None]]] = []
+        if self.spare is not None:
+            out.append((len(self.spare), self._drop_spare))
         last = self._last_used()
-        for slot in self.slots:
-            while slot is not last and slot.spares and self.bytes + size > self.limit:
-                self.bytes -= len(slot.spares.pop())
-        for holder, c in self._extras() if checkpoints else ():
+        out += [
+            (len(b), partial(self._let_go, s.spares, b, len(b)))
+            for s in self.slots
+            if s is not last
+            for b in reversed(s.spares)
+        ]
+        if room is Room.ALL:
+            holders = (*self.slots, *self.entries)
+            extras = [(h, c) for h in holders for c in h.checkpoints[:-FIRM_CHECKPOINTS]]
+            firm = [(e, c) for e in self.entries for c in e.checkpoints[-FIRM_CHECKPOINTS:]]
+            out += [
+                (len(c.data), partial(self._let_go, h.checkpoints, c, len(c.data)))
+                for h, c in sorted(extras, key=lambda hc: hc[1].made) + firm
+            ]
+        # Under Room.ALL an entry's checkpoints are listed already, and gone before it goes.
+        out += [
+            (len(e.data) if room is Room.ALL else e.held, partial(self._drop, e))
+            for e in self.entries
+        ]
+        return out
+
+    def _fits(self, size: int, room: Room) -> bool:
+        """Whether `size` more bytes fit once all that `room` lets go is gone."""
+        return self.bytes - sum(n for n, _ in self._droppable(room)) + size <= self.limit
+
+    def _make_room(self, size: int, room: Room) -> None:
+        """Let go what `room` allows, in _droppable's order, until `size` more bytes fit."""
+        for _, drop in self._droppable(room):
             if self.bytes + size <= self.limit:
                 break
-            holder.checkpoints.remove(c)
-            self.bytes -= len(c.data)
-        for e in self.entries if checkpoints else ():
-            while e.checkpoints and self.bytes + size > self.limit:
-                self.bytes -= len(e.checkpoints.pop(0).data)
-        while self.entries and self.bytes + size > self.limit:
-            self._drop(self.entries[0])
+            drop()
 
-    def _extras(self) -> list[tuple[_Slot | _Saved, _WindowCheckpoint]]:
-        """The window checkpoints of slots and entries beyond their newest
-        FIRM_CHECKPOINTS, with their holders, oldest first: the first to make room."""
-        extras = [
-            (h, c) for h in (*self.slots, *self.entries) for c in h.checkpoints[:-FIRM_CHECKPOINTS]
-        ]
-        return sorted(extras, key=lambda hc: hc[1].made)
-
-    def _firm_slot_bytes(self, checkpoints: bool = True) -> int:
-        """What reserve counts (all but the entries and the spare), less what of the
-        slots' room _make_room can take (`checkpoints`: their older checkpoints too)."""
-        spare = len(self.spare) if self.spare is not None else 0
-        last = self._last_used()
-        extra = sum(
-            (sum(len(c.data) for c in s.checkpoints[:-FIRM_CHECKPOINTS]) if checkpoints else 0)
-            + (sum(len(b) for b in s.spares) if s is not last else 0)
-            for s in self.slots
-        )
-        return self.bytes - spare - sum(e.held for e in self.entries) - extra
+    def _let_go(self, holder: list, item: object, n: int) -> None:
+        """Let a slot's or an entry's spare buffer or window checkpoint go: `n` bytes."""
+        holder.remove(item)
+        self.bytes -= n
 
     def _last_used(self) -> _Slot | None:
         """The slot used last: its spares, readied for its conversation's next turn (the
@@ -406,8 +412,14 @@ class HostCache:
         return checkpoints
 
     def _drop(self, entry: _Saved) -> None:
+        """Let an entry go, with the window checkpoints it still has (they serve only
+        restored over it)."""
         self.entries.remove(entry)
         self.bytes -= entry.held
+
+    def _drop_spare(self) -> None:
+        self.bytes -= len(self.spare)
+        self.spare = None
 
 
 def fits(buffer: ctypes.Array, size: int) -> bool:
@@ -1246,8 +1258,8 @@ class BatchEngine:
             self.host.release(len(b))
         made = False
 
-        reserve = partial(self.host.reserve, checkpoints=False) if last else self.host.reserve_free
-        while size and len(slot.spares) < 2 and reserve(want):
+        room = Room.ENTRIES if last else Room.FREE
+        while size and len(slot.spares) < 2 and self.host.reserve(want, room):
             slot.spares.append((ctypes.c_uint8 * want)())
             made = True
         return made
@@ -1278,7 +1290,7 @@ class BatchEngine:
             return
         data = self.host.buffer(size)
         if L.llama_state_seq_get_data(self.ctx, data, size, seq_id) == size:
-            self.host.add(tokens, data, size, kept, ahead=bool(most))
+            self.host.add(tokens, data, size, kept, Room.ENTRIES if most else Room.ALL)
 
     def _resume(self, seq: _Sequence, events: list[Token | Done | Error]) -> None:
         """Take over a generation: its tokens count as generated, unsent text is sent."""
