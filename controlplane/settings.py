@@ -88,6 +88,12 @@ if DATABASES["default"]["ENGINE"].endswith("postgresql") and env.bool(
         "min_size": 1,
         "max_size": env.int("LLAMAFLEET_DB_POOL_SIZE", default=10),
         "timeout": 10,
+        # psycopg_pool retries a lost connection with a delay it doubles each time (1, 2,
+        # 4 ... s) for reconnect_timeout (5 min by default): after a 30-s outage the next
+        # try could come 32 s after PostgreSQL was back, and every request of that web
+        # process failed meanwhile (seen in the fault battery). Given up after 5 s instead,
+        # the next request that finds no connection starts a new try at once.
+        "reconnect_timeout": 5,
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
