@@ -406,7 +406,7 @@ class HostCache:
         checkpoints, entry.checkpoints = entry.checkpoints, []
         self._drop(entry)
         if self.spare is not None:
-            self.bytes -= len(self.spare)
+            self._drop_spare()
         self.spare = entry.data
         self.bytes += len(entry.data)
         return checkpoints
@@ -418,6 +418,7 @@ class HostCache:
         self.bytes -= entry.held
 
     def _drop_spare(self) -> None:
+        """Let the cache's spare buffer go."""
         self.bytes -= len(self.spare)
         self.spare = None
 
