@@ -39,32 +39,36 @@ def main() -> None:
             path = cached_model(name)
             m = facts(path)
             for ctx, par in ((512, 1), (2048, 4), (4096, 2)):
-                r = P.Request(ctx, par)
-                got = measured(path, ctx, par)
-                rows.append(row(name, "whole", ctx, par, "CPU", P.replica_stage(m, r), got["CPU"]))
+                caches = [("", P.Request(ctx, par), ())]
                 if m.sliding_layers:  # a deployment's default window cache
                     w = P.Request(ctx, par, swa_window=True)
-                    got = measured(path, ctx, par, "--swa-cache", "window")
-                    rows.append(row(name, "whole, window cache", ctx, par, "CPU",
-                                    P.replica_stage(m, w), got["CPU"]))  # fmt: skip
-                got = measured(path, ctx, par, "--rpc", *eps, "--n-gpu-layers", m.n_layers - 3,
-                               "--tensor-split", 5, m.n_layers - 8)  # fmt: skip
-                parts = [
-                    ("head", "CPU", 0, 4),
-                    ("stage", eps[0], 4, 9),
-                    ("stage", eps[1], 9, m.n_layers),
-                ]
-                for i, (role, dev, a, b) in enumerate(parts):
-                    st = P.split_stage(m, r, role, a, b, output=i == 2)
-                    rows.append(row(name, f"layer {role} [{a},{b})", ctx, par, dev, st, got[dev]))
-                got = measured(
-                    path, ctx, par, "--rpc", *eps, "--n-gpu-layers", -1, "--split-mode", 3
-                )
-                [meta] = [d for d in got if d != "CPU"]
-                head = P.split_stage(m, r, "head", 0, 0, output=False)
-                rows.append(row(name, "tensor head", ctx, par, "CPU", head, got["CPU"]))
-                st = P.split_stage(m, r, "stage", 0, m.n_layers, output=True, share=0.5)
-                rows.append(row(name, "tensor stage", ctx, par, meta, st, got[meta]))
+                    caches.append((", window cache", w, ("--swa-cache", "window")))
+                for label, r, extra in caches:
+                    got = measured(path, ctx, par, *extra)
+                    rows.append(row(name, f"whole{label}", ctx, par, "CPU",
+                                    P.replica_stage(m, r), got["CPU"]))  # fmt: skip
+                    split = ("--n-gpu-layers", m.n_layers - 3, "--tensor-split", 5, m.n_layers - 8)
+                    got = measured(path, ctx, par, "--rpc", *eps, *split, *extra)
+                    parts = [
+                        ("head", "CPU", 0, 4),
+                        ("stage", eps[0], 4, 9),
+                        ("stage", eps[1], 9, m.n_layers),
+                    ]
+                    for i, (role, dev, a, b) in enumerate(parts):
+                        st = P.split_stage(m, r, role, a, b, output=i == 2)
+                        rows.append(row(name, f"layer {role} [{a},{b}){label}", ctx, par, dev,
+                                        st, got[dev]))  # fmt: skip
+                    got = measured(
+                        path, ctx, par, "--rpc", *eps, "--n-gpu-layers", -1, "--split-mode", 3,
+                        *extra,
+                    )  # fmt: skip
+                    [meta] = [d for d in got if d != "CPU"]
+                    head = P.split_stage(m, r, "head", 0, 0, output=False)
+                    rows.append(row(name, f"tensor head{label}", ctx, par, "CPU", head,
+                                    got["CPU"]))  # fmt: skip
+                    st = P.split_stage(m, r, "stage", 0, m.n_layers, output=True, share=0.5)
+                    rows.append(row(name, f"tensor stage{label}", ctx, par, meta, st,
+                                    got[meta]))  # fmt: skip
     finally:
         for s in servers:
             s.stop()
@@ -72,7 +76,7 @@ def main() -> None:
     worst = max(abs(x["deviation"]) for x in rows)
     out.write_text(json.dumps({"worst_deviation": worst, "rows": rows}, indent=2) + "\n")
     for x in rows:
-        print(f"{x['model']:22} {x['case']:22} {x['context']:5}x{x['parallel']} "
+        print(f"{x['model']:22} {x['case']:36} {x['context']:5}x{x['parallel']} "
               f"est {x['estimated_mib']:8.1f} MiB  llama.cpp {x['reported_mib']:8.1f} MiB  "
               f"{x['deviation']:+.1%}")  # fmt: skip
     print(f"worst deviation {worst:.1%}")

@@ -79,26 +79,31 @@ SWA_PATTERNS = {
 SWA_DEFAULT_WINDOW = {"gemma2": 4096}
 
 
-def _sliding(reader: gguf.GGUFReader, arch: str, n_layers: int) -> tuple[int, int]:
-    """(window, layers using it), as llama.cpp's set_swa_pattern lays them out."""
+def _sliding(reader: gguf.GGUFReader, arch: str, n_layers: int) -> tuple[int, str]:
+    """(window, pattern): the pattern has a character a layer, "1" where it attends only
+    to the window, as llama.cpp's set_swa_pattern lays them out ("" without a window)."""
     window = int(
         _field(reader, f"{arch}.attention.sliding_window") or SWA_DEFAULT_WINDOW.get(arch, 0)
     )
     if not window or not n_layers:
-        return window, 0
+        return window, ""
     pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):  # one flag per layer
-        return window, sum(bool(x) for x in pattern[:n_layers])
-    period = int(pattern) if pattern is not None else SWA_PATTERNS.get(arch)
-    if period is None:
-        return window, 0
-    if period == 0:
-        return window, n_layers
-    last = sum(1 for i in range(n_layers) if i % period < period - 1)
-    if arch in SWA_PATTERNS:
-        return window, last
-    # Some architectures put the full layer first in each period: count the fewer of the two.
-    return window, min(last, sum(1 for i in range(n_layers) if i % period != 0))
+        flags = [bool(x) for x in pattern[:n_layers]]
+        flags += [False] * (n_layers - len(flags))
+    else:
+        period = int(pattern) if pattern is not None else SWA_PATTERNS.get(arch)
+        if period is None:
+            flags = [False] * n_layers
+        elif period == 0:
+            flags = [True] * n_layers
+        elif arch in SWA_PATTERNS:  # the full layer last in each period
+            flags = [i % period < period - 1 for i in range(n_layers)]
+        else:
+            # Some architectures put the full layer first in each period: a layer counts
+            # as sliding only where it slides in both layouts (its KV never underestimated).
+            flags = [0 < i % period < period - 1 for i in range(n_layers)]
+    return window, "".join("1" if f else "0" for f in flags)
 
 
 def _check_split(readers: list[gguf.GGUFReader]) -> None:
@@ -149,7 +154,7 @@ def read_metadata(paths: str | Path | list) -> dict:
     except (TypeError, ValueError):
         quantization = str(file_type or "unknown")
     n_heads = int(_field(reader, f"{arch}.attention.head_count") or 0)
-    window, sliding_layers = _sliding(reader, str(arch), n_layers)
+    window, sliding_pattern = _sliding(reader, str(arch), n_layers)
     n_embd = int(_field(reader, f"{arch}.embedding_length") or 0)
     return {
         "architecture": str(arch),
@@ -171,6 +176,7 @@ def read_metadata(paths: str | Path | list) -> dict:
         "n_vocab": int(_field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else 0)),
         "n_ff": int(_field(reader, f"{arch}.feed_forward_length") or 0),
         "sliding_window": window,
-        "sliding_layers": sliding_layers,
+        "sliding_layers": sliding_pattern.count("1"),
+        "sliding_pattern": sliding_pattern,
         "has_chat_template": _field(reader, "tokenizer.chat_template") is not None,
     }

@@ -47,6 +47,12 @@ class CatalogModel(models.Model):
     sliding_layers = models.PositiveIntegerField(
         default=0, help_text="Layers attending only to the window (as llama.cpp loads them)."
     )
+    sliding_pattern = models.CharField(
+        max_length=4096,
+        blank=True,
+        default="",
+        help_text='A character a layer, "1" where it attends only to the window ("": none).',
+    )
     has_chat_template = models.BooleanField(default=False, help_text="The file carries one.")
     chat_template = models.TextField(
         blank=True, help_text="Jinja chat template used when the file carries none."

@@ -62,7 +62,7 @@ class Deployment(models.Model):
         default=SwaCache.WINDOW,
         help_text="Sliding-window models (gemma) in the throughput mode: window takes far less "
         "KV at long contexts; full also reuses a prefix another conversation shares beyond "
-        "the window. Splits and the invariant mode always keep the full cache.",
+        "the window. The invariant mode always keeps the full cache.",
     )
     routing_policy = models.CharField(
         max_length=20,

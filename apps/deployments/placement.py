@@ -83,8 +83,8 @@ def cluster(deployment: Deployment | None = None) -> tuple[list[P.NodeState], di
 
 
 def swa_window(batching: str, swa_cache: str) -> bool:
-    """Whether whole replicas keep only the window in sliding layers (the invariant mode
-    keeps the full cache whatever the deployment says)."""
+    """Whether sliding layers keep only the window, in whole replicas and splits alike (the
+    invariant mode keeps the full cache whatever the deployment says)."""
     return batching == Deployment.Batching.THROUGHPUT and swa_cache == Deployment.SwaCache.WINDOW
 
 

@@ -18,6 +18,7 @@ otherwise a refusal that says how far off the cluster is.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 GiB = 2**30
@@ -60,12 +61,17 @@ class ModelFacts:
     n_vocab: int
     n_ff: int
     sliding_window: int = 0
-    #: Layers attending only to the window (gemma-3: 5 of every 6).
-    sliding_layers: int = 0
+    #: A character a layer, "1" where it attends only to the window (gemma-3: 5 of every
+    #: 6); "" where none does or which ones is unknown (the KV is then sized as full).
+    sliding_pattern: str = ""
 
     @property
     def layer_bytes(self) -> int:
         return sum(self.bytes_per_layer)
+
+    @property
+    def sliding_layers(self) -> int:
+        return self.sliding_pattern.count("1")
 
     @classmethod
     def from_metadata(cls, name: str, meta, file_bytes: int) -> ModelFacts:
@@ -86,8 +92,8 @@ class Request:
     split_mode: str = "auto"  # auto: replicas if one node holds it, else a layer split
     pin_nodes: tuple[str, ...] = ()  # only these nodes; the first is the head of a split
     max_nodes: int = 16  # most nodes one split may span
-    #: Whole replicas keep only the window in sliding layers (llama-server's default);
-    #: splits always keep the full cache.
+    #: Sliding layers keep only the window (llama-server's default), in whole replicas and
+    #: in a split's stages alike.
     swa_window: bool = False
 
 
@@ -189,27 +195,57 @@ def window_cells(m: ModelFacts, r: Request) -> int:
     return min(kv_cells(r.context_length), -(-(m.sliding_window + N_UBATCH) // 256) * 256)
 
 
+def layers_kv_bytes(m: ModelFacts, r: Request, start: int, end: int) -> int:
+    """The KV of layers [start, end): with the window cache a sliding layer holds the
+    window only (llama.cpp puts each layer's cells on the device holding the layer)."""
+    sliding = m.sliding_pattern[start:end].count("1") if r.swa_window and m.sliding_window else 0
+    window = sliding * window_cells(m, r) * r.parallel * _per_cell(m)
+    return kv_bytes(m, r, end - start - sliding) + window
+
+
 def replica_kv_bytes(m: ModelFacts, r: Request) -> int:
-    """A whole replica's KV: with the window cache its sliding layers hold the window only."""
-    if not (r.swa_window and m.sliding_window and m.sliding_layers):
-        return kv_bytes(m, r, m.n_layers)
-    sliding = m.sliding_layers * window_cells(m, r) * r.parallel * _per_cell(m)
-    return kv_bytes(m, r, m.n_layers - m.sliding_layers) + sliding
+    """A whole replica's KV."""
+    return layers_kv_bytes(m, r, 0, m.n_layers)
 
 
-def compute_bytes(m: ModelFacts, r: Request, *, layers: bool, logits: bool, embed: bool) -> int:
+def tensor_kv_bytes(m: ModelFacts, r: Request, share: float) -> int:
+    """A tensor split's device: its share of each cache (a sliding-window model has one for
+    its full layers and one for its sliding ones), in whole layers rounded up. llama.cpp
+    hands out whole layers of a model whose KV heads do not divide among the devices
+    (gemma-3-270m has one head: 2 of its 3 full layers and 8 of its 15 sliding ones on one
+    of two devices); where they divide, this is at most a layer a cache over."""
+    if share <= 0:
+        return 0
+    slot = r.parallel * _per_cell(m)
+    caches = [(m.n_layers - m.sliding_layers, kv_cells(r.context_length) * slot)]
+    if m.sliding_layers:
+        cells = window_cells(m, r) if r.swa_window and m.sliding_window else None
+        caches.append((m.sliding_layers, (cells or kv_cells(r.context_length)) * slot))
+    return sum(math.ceil(n * share - 1e-9) * size for n, size in caches)
+
+
+def compute_bytes(
+    m: ModelFacts, r: Request, *, layers: bool, logits: bool, embed: bool, window: bool = False
+) -> int:
     """A device's compute buffer: the largest set of intermediates live at once while one
     ubatch of N_UBATCH tokens goes through its part of the graph (flash attention off).
 
     Floats per token: attention scores over the context for every head plus the masks
     (sliding-window models have two), with the projections; or the feed-forward
-    activations; or, where the output is, the logits of every token.
+    activations; or, where the output is, the logits of every token. Under the window
+    cache the sliding layers' mask spans the window's cells, and a device whose layers all
+    slide (`window`) attends over those cells only.
     """
     cells = kv_cells(r.context_length)
     masks = 2 if m.sliding_window else 1
+    if r.swa_window and m.sliding_window and m.sliding_layers:
+        slide = window_cells(m, r)
+        cells, mask_cells = (slide, 2 * slide) if window else (cells, cells + slide)
+    else:
+        mask_cells = masks * cells
     floats = 0
     if layers:
-        attention = cells * (m.n_heads + masks) + 2 * m.n_heads * m.head_dim + m.n_ff
+        attention = cells * m.n_heads + mask_cells + 2 * m.n_heads * m.head_dim + m.n_ff
         floats = max(attention, 4 * m.n_ff + 2 * m.n_embd)
     if logits:
         floats = max(floats, m.n_vocab + 2 * m.n_embd)
@@ -255,15 +291,23 @@ def split_stage(
     if share is not None:
         weights, kv, layers = (
             int(m.layer_bytes * share) + m.bytes_output,
-            kv_bytes(m, r, m.n_layers * share),
+            tensor_kv_bytes(m, r, share),
             True,
         )
     else:
         weights = sum(m.bytes_per_layer[start:end]) + (m.bytes_output if output else 0)
-        kv, layers = kv_bytes(m, r, end - start), end > start
+        kv, layers = layers_kv_bytes(m, r, start, end), end > start
     if head:
         weights += m.bytes_embeddings
-    compute = compute_bytes(m, r, layers=layers, logits=output, embed=head)
+    # A run of layers that all slide attends over the window's cells only.
+    window = bool(
+        share is None
+        and layers
+        and r.swa_window
+        and m.sliding_window
+        and "0" not in m.sliding_pattern[start:end].ljust(end - start, "0")
+    )
+    compute = compute_bytes(m, r, layers=layers, logits=output, embed=head, window=window)
     if head:
         compute += logits_buffer_bytes(m, r)
     return Stage(
@@ -357,7 +401,7 @@ def _replicas(
         held[node.name] += 1
         s = replica_stage(m, on_node(r, node))
         s.node = node.name
-        s.n_gpu_layers = _gpu_layers(m, r, node, 0, m.n_layers)
+        s.n_gpu_layers = _gpu_layers(m, on_node(r, node), node, 0, m.n_layers)
         stages.append(s)
     p = Plan("replicas", stages=stages, needed_bytes=whole)
     old = sorted({s.node for s in stages if s.total_bytes > whole})
@@ -397,7 +441,7 @@ def _gpu_layers(m: ModelFacts, r: Request, node: NodeState, start: int, end: int
     room = sum(node.accelerator_bytes)
     n = 0
     for i in range(start, end):
-        need = m.bytes_per_layer[i] + kv_bytes(m, r, 1)
+        need = m.bytes_per_layer[i] + layers_kv_bytes(m, r, i, i + 1)
         if room < need:
             break
         room -= need
@@ -463,13 +507,15 @@ def _split(m, r, usable, links, mode, whole) -> Plan:
     for k in sizes:
         for chosen in [candidates] if r.pin_nodes else _sets(candidates, k, links):
             head, rest = chosen[0], chosen[1:]
-            # The last stage computes the logits and holds the output: the most room (pinned
-            # nodes keep the order they were given).
+            # The head's engine keeps the cache (its agent may predate the window); the last
+            # stage computes the logits and holds the output: the most room (pinned nodes
+            # keep the order they were given).
+            rh = on_node(r, head)
             stages = _assign(
-                m, r, [head, *(rest if r.pin_nodes else sorted(rest, key=room_of))], mode
+                m, rh, [head, *(rest if r.pin_nodes else sorted(rest, key=room_of))], mode
             )
             if stages is not None:
-                return _split_plan(m, r, stages, links, mode, whole)
+                return _split_plan(m, rh, stages, links, mode, whole)
     chosen = candidates
     have = sum(max(room_of(n), 0) for n in chosen)
     need = _split_total(m, r, len(chosen), mode) if len(chosen) > 1 else whole
@@ -544,7 +590,7 @@ def _fixed(m: ModelFacts, r: Request, k: int, mode: str) -> list[int]:
 
 
 def _split_total(m: ModelFacts, r: Request, k: int, mode: str) -> int:
-    return sum(_fixed(m, r, k, mode)) + m.layer_bytes + kv_bytes(m, r, m.n_layers)
+    return sum(_fixed(m, r, k, mode)) + m.layer_bytes + replica_kv_bytes(m, r)
 
 
 def _assign(m, r, ordered: list[NodeState], mode: str) -> list[Stage] | None:
@@ -554,7 +600,7 @@ def _assign(m, r, ordered: list[NodeState], mode: str) -> list[Stage] | None:
     room = [room_of(n) - f for n, f in zip(ordered, _fixed(m, r, k, mode), strict=True)]
     if min(room[1:]) <= 0 or room[0] < 0:
         return None
-    per_layer = [b + kv_bytes(m, r, 1) for b in m.bytes_per_layer]
+    per_layer = [b + layers_kv_bytes(m, r, i, i + 1) for i, b in enumerate(m.bytes_per_layer)]
     if sum(room) < sum(per_layer):
         return None
     if mode == "tensor":
@@ -617,8 +663,9 @@ def _split_plan(m, r, stages: list[Stage], links, mode: str, whole: int) -> Plan
         p.tensor_split[-1] += 1
     else:
         p.n_gpu_layers = -1
-        total = sum(s.kv_bytes for s in rest) or 1
-        p.tensor_split = [round(s.kv_bytes / total, 4) for s in rest]
+        # Each stage's share of every layer (its KV is rounded up to whole layers).
+        shares = [s.weights_bytes - m.bytes_output for s in rest]
+        p.tensor_split = [round(x / (sum(shares) or 1), 4) for x in shares]
     if r.split_mode in ("layer", "tensor") or r.pin_nodes:
         asked = f"split_mode {r.split_mode}" if r.split_mode != "auto" else "pinned nodes"
         p.reasons.append(
@@ -630,6 +677,11 @@ def _split_plan(m, r, stages: list[Stage], links, mode: str, whole: int) -> Plan
             f"{m.name} needs {gib(whole)} on one node and no ready node has that much free: "
             f"split over {len(stages)} nodes, the fewest that hold it ({gib(p.needed_bytes)} "
             f"in all)"
+        )
+    if r.swa_window and m.sliding_layers and m.sliding_window < kv_cells(r.context_length):
+        p.reasons.append(
+            f"KV {gib(sum(s.kv_bytes for s in stages))} in all, {m.sliding_layers} of "
+            f"{m.n_layers} layers keeping only their {m.sliding_window}-token window"
         )
     held = f" and layers {head.layer_start}-{head.layer_end - 1}" if head.layers else ""
     p.reasons.append(

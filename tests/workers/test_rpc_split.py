@@ -84,6 +84,64 @@ def test_a_model_split_over_an_rpc_server_gives_the_single_node_text(
     assert stage_stub.StopRpcServer(pb.StopRpcServerRequest(port=port), metadata=AUTH).stopped
 
 
+def test_a_split_keeps_the_window_cache_with_a_whole_replicas_text(
+    head_and_stage, model_store, gemma_path
+):
+    """A split keeps its deployment's window cache (LoadModel's swa_window): the stages hold
+    their own layers' cells, a sliding layer's only the window. A conversation past
+    gemma-3-270m's 512-token window, with its last 10 layers on the other agent's rpc
+    server, gives the text of a whole replica on the head; its next turn reuses the whole
+    history in its slot, with the whole replica's text again."""
+    from apps.catalog.sources import GEMMA_CHAT_TEMPLATE
+
+    (head, head_stub), (_, stage_stub) = head_and_stage
+    stored = model_store / gemma_path.name
+    if not stored.exists():
+        os.link(gemma_path, stored)
+    sha = gemma_path.name.removeprefix("sha256-").removesuffix(".gguf")
+    port = free_port()
+    rpc = stage_stub.StartRpcServer(pb.StartRpcServerRequest(port=port, threads=1), metadata=AUTH)
+    notes = "Notes on owls. " * 250 + "What do the notes say?"
+    texts, last_10 = {}, {"rpc_servers": [rpc.endpoint], "n_gpu_layers": 10}
+    for rid, split in (("whole", {}), ("split", last_10)):
+        load = head_stub.LoadModel(
+            pb.LoadModelRequest(
+                replica_id=rid,
+                model_name="gemma",
+                sha256=sha,
+                chat_template=GEMMA_CHAT_TEMPLATE,
+                context_length=2048,
+                parallel=1,
+                swa_window=True,
+                **split,
+            ),
+            metadata=AUTH,
+            timeout=120,
+        )
+        assert load.state == pb.REPLICA_STATE_READY, load.error
+        assert head.agent.service.replicas[rid].engine.info["swa_full"] is False
+
+        def ask(messages, rid=rid):
+            request = pb.InferenceRequest(
+                replica_id=rid,
+                max_tokens=12,
+                messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
+                sampling=pb.SamplingParams(temperature=0),
+            )
+            replies = list(head_stub.RunInference(request, metadata=AUTH))
+            return "".join(m.text for m in replies), replies[-1].usage
+
+        first, usage = ask([("user", notes)])
+        assert usage.prompt_tokens > 700 and first
+        history = [("user", notes), ("assistant", first), ("user", "And at night?")]
+        second, again = ask(history)
+        assert again.cached_tokens >= usage.prompt_tokens
+        texts[rid] = (first, second)
+        head_stub.FreeMemory(pb.FreeMemoryRequest(replica_id=rid), metadata=AUTH)
+    assert texts["split"] == texts["whole"]
+    assert stage_stub.StopRpcServer(pb.StopRpcServerRequest(port=port), metadata=AUTH).stopped
+
+
 def test_rpc_servers_refuse_bad_ports(head_and_stage):
     (_, stub), _ = head_and_stage
     with pytest.raises(grpc.RpcError) as err:

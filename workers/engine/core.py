@@ -516,7 +516,9 @@ class BatchEngine:
         sliding-window model's window in those layers' KV (llama-server's default): far
         less memory at long contexts, but a slot offers a prefix only while it holds the
         window before its end (_window_holds); True (the C API's default) keeps them whole,
-        as splits and the invariant mode always do."""
+        as the invariant mode always does. A split has no host cache, so no window
+        checkpoints either: under the window cache its slots reuse a conversation's next
+        turn, and read an edit or a regenerated answer past the window whole."""
         if flash_attn not in FLASH_ATTN_MODES:
             raise EngineError(
                 errors.INVALID_ARGUMENT,
@@ -581,9 +583,9 @@ class BatchEngine:
             FLASH_ATTN_OFF: L.LLAMA_FLASH_ATTN_TYPE_DISABLED,
         }[flash_attn]
         self.flash_attn = flash_attn
-        # Splits and the invariant mode keep the full cache: their memory estimates and
-        # Llama's numerics (its cells) were made with it.
-        cparams.swa_full = bool(swa_full) or self.invariant or bool(rpc_servers)
+        # The invariant mode keeps the full cache: its numerics (which cells a token takes)
+        # were made with it. A split's stages hold their layers' cells, window or full.
+        cparams.swa_full = bool(swa_full) or self.invariant
         self.swa_full = cparams.swa_full
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:

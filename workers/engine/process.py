@@ -71,8 +71,8 @@ class EngineConfig:
     batch_invariant: bool = False  # see BatchEngine
     host_cache_bytes: int = PROMPT_CACHE_MIB << 20  # for prefixes pushed out of slots
     flash_attn: str = "auto"  # for whole replicas in the throughput mode; see BatchEngine
-    swa_full: bool = True  # a sliding-window model's KV kept whole (whole replicas in the
-    # throughput mode; see BatchEngine)
+    swa_full: bool = True  # a sliding-window model's KV kept whole (not in the invariant
+    # mode; see BatchEngine)
 
 
 # ---- child side ----------------------------------------------------------------------

@@ -196,7 +196,7 @@ class CreateDeploymentSerializer(serializers.Serializer):
         choices=Deployment.SwaCache.choices,
         default=Deployment.SwaCache.WINDOW,
         help_text="Sliding-window models: window (far less KV) or full (any shared prefix "
-        "reusable). Splits and the invariant mode keep the full cache.",
+        "reusable). The invariant mode keeps the full cache.",
     )
     split_mode = serializers.ChoiceField(
         choices=Deployment.SplitMode.choices,

@@ -155,15 +155,45 @@ def test_jobs_whose_worker_died_end_failed_and_jobs_never_sent_are_resent(
     assert sent == [("pull", waiting.pk)]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_model_pulled_before_the_sliding_pattern_was_read_gets_it_from_its_file(
+    gemma_path, settings, tmp_path
+):
+    """The migration that adds which layers slide reads it from each stored model's file
+    (a split's stages are planned by it); a model whose file is gone keeps none, so its KV
+    is sized as full."""
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    settings.MODEL_STORE_DIR = str(tmp_path)
+    sha, gone = "a" * 64, "b" * 64
+    (tmp_path / f"sha256-{sha}.gguf").symlink_to(gemma_path)
+    before, after = [("catalog", "0006_sliding_layers")], [("catalog", "0007_sliding_pattern")]
+    executor = MigrationExecutor(connection)
+    executor.migrate(before)
+    try:
+        old = executor.loader.project_state(before).apps.get_model("catalog", "CatalogModel")
+        for name, digest in (("gemma-old", sha), ("gone", gone)):
+            old.objects.create(name=name, sha256=digest, sliding_window=512, sliding_layers=15)
+    finally:
+        executor = MigrationExecutor(connection)
+        executor.loader.build_graph()
+        executor.migrate(after)
+    assert CatalogModel.objects.get(name="gemma-old").sliding_pattern == "111110" * 3
+    assert CatalogModel.objects.get(name="gone").sliding_pattern == ""
+
+
 def test_sliding_layers_follow_llama_cpps_patterns(gemma_path, smollm2_path, tmp_path):
     """Which layers attend only to a window, as llama.cpp lays them out: gemma-3's 5 of
     every 6; a pattern the file gives (a period, or one flag per layer) wins; an
     architecture with a window and no known pattern counts none (its KV sized as full)."""
     import gguf
 
-    assert (read_metadata(gemma_path)["sliding_window"], read_metadata(gemma_path)[
-        "sliding_layers"]) == (512, 15)  # fmt: skip
+    gemma = read_metadata(gemma_path)
+    assert (gemma["sliding_window"], gemma["sliding_layers"]) == (512, 15)
+    assert gemma["sliding_pattern"] == "111110" * 3  # the full layer last in each six
     assert read_metadata(smollm2_path)["sliding_layers"] == 0
+    assert read_metadata(smollm2_path)["sliding_pattern"] == ""
 
     def made(arch: str, **keys) -> dict:
         path = tmp_path / f"{arch}-{len(keys)}.gguf"
@@ -181,10 +211,12 @@ def test_sliding_layers_follow_llama_cpps_patterns(gemma_path, smollm2_path, tmp
     assert made("gemma3", sliding_window=(256, V.UINT32))["sliding_layers"] == 9  # not 5
     flags = [True, False] * 5
     meta = made("gemma3", sliding_window=(256, V.UINT32), sliding_window_pattern=(flags, V.ARRAY))
-    assert meta["sliding_layers"] == 5
+    assert meta["sliding_layers"] == 5 and meta["sliding_pattern"] == "10" * 5
     assert made("gemma2")["sliding_window"] == 4096  # llama.cpp's default for gemma 2
     assert made("mystery", sliding_window=(128, V.UINT32))["sliding_layers"] == 0
-    # A period for an architecture whose layout is unknown: the fewer of the two layouts.
+    # A period for an architecture whose layout is unknown: a layer slides only if it does
+    # with the full layer first in each period and with it last (a split's stage may hold
+    # any run of layers, so each one's KV is an upper bound).
     meta = made("mystery", sliding_window=(128, V.UINT32), sliding_window_pattern=(4, V.UINT32))
-    assert meta["sliding_layers"] == 7
+    assert meta["sliding_pattern"] == "0110011001" and meta["sliding_layers"] == 5
     assert made("gemma3")["sliding_layers"] == 0  # no window: none

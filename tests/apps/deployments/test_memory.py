@@ -128,6 +128,35 @@ def test_layer_split_estimate_is_within_10_percent_on_every_node(
         assert_close(estimated(stage), reported(got[device]), f"{role} {device} [{start},{end})")
 
 
+def test_a_split_with_the_window_cache_estimate_is_within_10_percent(gemma_path, rpc_pair):
+    """A split keeps its deployment's window cache: each device holds its own layers'
+    cells, a sliding layer's only the window (gemma-3-270m: layers 5, 11 and 17 full).
+    Layer split head 0-3, stages 4-8 and 9-17 (one full layer each), then a tensor split;
+    every device within 10% of llama.cpp's report, and the KV far below the full cache's."""
+    m, r = facts(gemma_path), P.Request(8192, 2, swa_window=True)
+    ranges = [(0, 4), (4, 9), (9, m.n_layers)]
+    window = ("--swa-cache", "window")
+    got = measured(
+        gemma_path, 8192, 2, "--rpc", *rpc_pair, "--n-gpu-layers", m.n_layers + 1 - 4,
+        "--tensor-split", 5, m.n_layers - 9 + 1, *window,
+    )  # fmt: skip
+    roles = [("head", "CPU"), ("stage", rpc_pair[0]), ("stage", rpc_pair[1])]
+    for i, ((role, device), (start, end)) in enumerate(zip(roles, ranges, strict=True)):
+        stage = P.split_stage(m, r, role, start, end, output=i == 2)
+        assert_close(stage.kv_bytes, got[device]["kv"], f"{role} {device} [{start},{end}) KV")
+        assert_close(estimated(stage), reported(got[device]), f"{role} {device} [{start},{end})")
+    full = P.split_stage(m, P.Request(8192, 2), "stage", 9, m.n_layers, output=True)
+    assert got[rpc_pair[1]]["kv"] < 0.5 * full.kv_bytes
+
+    got = measured(
+        gemma_path, 8192, 2, "--rpc", *rpc_pair, "--n-gpu-layers", -1, "--split-mode", 3, *window
+    )
+    [meta] = [d for d in got if d != "CPU"]
+    stage = P.split_stage(m, r, "stage", 0, m.n_layers, output=True, share=0.5)
+    assert_close(stage.kv_bytes, got[meta]["kv"], "tensor stage KV")
+    assert_close(estimated(stage), reported(got[meta]), "tensor stage")
+
+
 def test_tensor_split_estimate_is_within_10_percent(model_file, rpc_pair):
     """llama.cpp reports a tensor split's rpc devices as one meta device with the sizes of
     one of them (equal shares here), and the head's own buffers apart."""

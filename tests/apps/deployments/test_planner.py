@@ -188,14 +188,14 @@ SWA = dataclasses.replace(
     n_layers=18,
     bytes_per_layer=(GiB // 18,) * 18,
     sliding_window=512,
-    sliding_layers=15,
+    sliding_pattern="111110" * 3,
 )
 
 
 def test_the_window_cache_sizes_sliding_layers_by_the_window_and_lets_more_fit():
     """Whole replicas with swa_window keep the window plus one ubatch (padded to 256) in
-    each sliding layer, the full context in the others; splits and a model with no window
-    keep the full cache. The smaller estimate is what places a replica."""
+    each sliding layer, the full context in the others; a model with no window keeps the
+    full cache. The smaller estimate is what places a replica."""
     full, window = P.Request(32768, 4), P.Request(32768, 4, swa_window=True)
     per_cell = 2 * SWA.n_kv_heads * SWA.head_dim * 2
     expected = (3 * 32768 + 15 * 1024) * 4 * per_cell
@@ -206,7 +206,7 @@ def test_the_window_cache_sizes_sliding_layers_by_the_window_and_lets_more_fit()
     assert P.replica_stage(BIG, P.Request(32768, 4, swa_window=True)).kv_bytes == (
         P.replica_stage(BIG, P.Request(32768, 4)).kv_bytes
     )
-    head = P.split_stage(SWA, window, "head", 0, 9, output=False)
+    head = P.split_stage(SWA, full, "head", 0, 9, output=False)
     assert head.kv_bytes == P.kv_bytes(SWA, full, 9)
 
     whole = P.replica_stage(SWA, window).total_bytes
@@ -217,3 +217,39 @@ def test_the_window_cache_sizes_sliding_layers_by_the_window_and_lets_more_fit()
         and "15 of 18 layers keeping only their 512-token window" in (p.reasons[0])
     )
     assert P.plan(SWA, full, room).kind == "refused"  # one node: the full cache does not fit
+
+
+def test_a_split_sizes_each_stages_sliding_layers_by_the_window():
+    """Each stage holds its own layers' cells: a layer split's stage counts the sliding
+    layers in its range (gemma-3's full layer is the last of each six), a tensor split's
+    its share of the whole cache. With the window a model needing a split takes fewer
+    nodes; an older agent at the head keeps the full cache and is planned so."""
+    full, window = P.Request(32768, 4), P.Request(32768, 4, swa_window=True)
+    per_slot = 4 * 2 * SWA.n_kv_heads * SWA.head_dim * 2
+    # Layers 0-6 hold one full layer (5), 7-17 two (11 and 17).
+    head = P.split_stage(SWA, window, "head", 0, 7, output=False)
+    assert head.kv_bytes == (1 * 32768 + 6 * 1024) * per_slot
+    last = P.split_stage(SWA, window, "stage", 7, 18, output=True)
+    assert last.kv_bytes == (2 * 32768 + 9 * 1024) * per_slot
+    assert head.kv_bytes + last.kv_bytes == P.replica_stage(SWA, window).kv_bytes
+    # A tensor stage's half of each cache, in whole layers rounded up (llama.cpp hands out
+    # whole layers where the KV heads do not divide): 2 of 3 full layers, 8 of 15 sliding.
+    half = P.split_stage(SWA, window, "stage", 0, 18, output=True, share=0.5)
+    assert half.kv_bytes == (2 * 32768 + 8 * 1024) * per_slot
+
+    room = nodes(6, 6, 6, 6)  # no node holds a whole copy (16 GiB with the window)
+    p = P.plan(SWA, window, room)
+    assert p.kind == "split" and len(p.stages) == 2
+    assert sum(s.kv_bytes for s in p.stages) == P.replica_stage(SWA, window).kv_bytes
+    assert any("15 of 18 layers keeping only their 512-token window" in x for x in p.reasons)
+    assert all(s.total_bytes <= 6 * GiB for s in p.stages)
+    p_full = P.plan(SWA, full, room)
+    assert p_full.kind == "split" and len(p_full.stages) > 2
+    # The head's agent predates the window: the whole split is planned with the full cache.
+    pinned = dataclasses.replace(window, pin_nodes=("n0", "n1"))
+    for head_has_window, kv in ((True, window), (False, full)):
+        two = nodes(10, 10, window_cache=True)
+        two[0] = dataclasses.replace(two[0], window_cache=head_has_window)
+        p = P.plan(SWA, pinned, two)
+        assert p.kind == "split", p.error
+        assert sum(s.kv_bytes for s in p.stages) == P.replica_stage(SWA, kv).kv_bytes
