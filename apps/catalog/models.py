@@ -125,6 +125,24 @@ def store_path(sha256: str) -> Path:
     return Path(settings.MODEL_STORE_DIR) / f"sha256-{sha256}.gguf"
 
 
+def migrate_facts(apps, fields: tuple[str, ...]) -> None:
+    """For a migration that adds GGUF facts: read `fields` of every stored model from its
+    files (a model whose files cannot be read keeps the fields' defaults, which the planner
+    treats as an upper bound)."""
+    from apps.catalog.gguf_meta import BadGGUF, read_metadata
+
+    files = apps.get_model("catalog", "ModelFile").objects.order_by("index")
+    for m in apps.get_model("catalog", "CatalogModel").objects.exclude(sha256=""):
+        shas = [f.sha256 for f in files.filter(model=m)] or [m.sha256]
+        try:
+            meta = read_metadata([store_path(sha) for sha in shas])
+        except (OSError, BadGGUF):
+            continue
+        for field in fields:
+            setattr(m, field, meta[field])
+        m.save(update_fields=list(fields))
+
+
 class PullJob(Job):
     """One pull or import of a model file, with its progress."""
 
