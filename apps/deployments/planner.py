@@ -195,10 +195,15 @@ def window_cells(m: ModelFacts, r: Request) -> int:
     return min(kv_cells(r.context_length), -(-(m.sliding_window + N_UBATCH) // 256) * 256)
 
 
+def windowed(m: ModelFacts, r: Request) -> bool:
+    """Whether the model's sliding layers keep only the window's cells."""
+    return bool(r.swa_window and m.sliding_window and m.sliding_layers)
+
+
 def layers_kv_bytes(m: ModelFacts, r: Request, start: int, end: int) -> int:
     """The KV of layers [start, end): with the window cache a sliding layer holds the
     window only (llama.cpp puts each layer's cells on the device holding the layer)."""
-    sliding = m.sliding_pattern[start:end].count("1") if r.swa_window and m.sliding_window else 0
+    sliding = m.sliding_pattern[start:end].count("1") if windowed(m, r) else 0
     window = sliding * window_cells(m, r) * r.parallel * _per_cell(m)
     return kv_bytes(m, r, end - start - sliding) + window
 
@@ -216,11 +221,11 @@ def tensor_kv_bytes(m: ModelFacts, r: Request, share: float) -> int:
     of two devices); where they divide, this is at most a layer a cache over."""
     if share <= 0:
         return 0
-    slot = r.parallel * _per_cell(m)
-    caches = [(m.n_layers - m.sliding_layers, kv_cells(r.context_length) * slot)]
+    slot, full = r.parallel * _per_cell(m), kv_cells(r.context_length)
+    caches = [(m.n_layers - m.sliding_layers, full * slot)]
     if m.sliding_layers:
-        cells = window_cells(m, r) if r.swa_window and m.sliding_window else None
-        caches.append((m.sliding_layers, (cells or kv_cells(r.context_length)) * slot))
+        cells = window_cells(m, r) if windowed(m, r) else full
+        caches.append((m.sliding_layers, cells * slot))
     return sum(math.ceil(n * share - 1e-9) * size for n, size in caches)
 
 
@@ -238,7 +243,7 @@ def compute_bytes(
     """
     cells = kv_cells(r.context_length)
     masks = 2 if m.sliding_window else 1
-    if r.swa_window and m.sliding_window and m.sliding_layers:
+    if windowed(m, r):
         slide = window_cells(m, r)
         cells, mask_cells = (slide, 2 * slide) if window else (cells, cells + slide)
     else:
@@ -300,12 +305,11 @@ def split_stage(
     if head:
         weights += m.bytes_embeddings
     # A run of layers that all slide attends over the window's cells only.
-    window = bool(
+    window = (
         share is None
         and layers
-        and r.swa_window
-        and m.sliding_window
-        and "0" not in m.sliding_pattern[start:end].ljust(end - start, "0")
+        and windowed(m, r)
+        and m.sliding_pattern[start:end].count("1") == end - start
     )
     compute = compute_bytes(m, r, layers=layers, logits=output, embed=head, window=window)
     if head:
@@ -678,7 +682,7 @@ def _split_plan(m, r, stages: list[Stage], links, mode: str, whole: int) -> Plan
             f"split over {len(stages)} nodes, the fewest that hold it ({gib(p.needed_bytes)} "
             f"in all)"
         )
-    if r.swa_window and m.sliding_layers and m.sliding_window < kv_cells(r.context_length):
+    if windowed(m, r) and m.sliding_window < kv_cells(r.context_length):
         p.reasons.append(
             f"KV {gib(sum(s.kv_bytes for s in stages))} in all, {m.sliding_layers} of "
             f"{m.n_layers} layers keeping only their {m.sliding_window}-token window"
